@@ -1,0 +1,140 @@
+"""Paged attention: the metadata of one flattened batch, and the backend interface.
+
+A step's batch is a flat run of tokens from several requests (prefill chunks and
+decodes together). Request i owns tokens ``query_start_loc[i]:query_start_loc[i+1]``;
+those are the *last* ``query_len`` tokens of its ``seq_len``-token context, so
+query token j of request i sits at position ``seq_len - query_len + j`` and may
+attend to keys at positions ``0..that position``.
+
+The KV cache of one layer is a tensor ``[2, num_blocks, block_size, num_kv_heads,
+head_dim]`` (keys, then values). Token position p of request i is stored in block
+``block_tables[i, p // block_size]`` at offset ``p % block_size``; ``slot_mapping``
+gives each new token's flat slot ``block * block_size + offset`` (-1: don't store).
+
+Backends: ``TorchAttentionBackend`` (the reference, any device) and the Triton one
+in ``tidal_engine.kernels.triton`` (GPU), chosen once at start-up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32, cumulative query lengths
+    seq_lens: torch.Tensor  # [num_seqs] int32, context length after this step
+    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32, padded with 0
+    max_query_len: int
+    max_seq_len: int
+    # Host copies, so reference code never syncs with the device to read them.
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Store new keys/values ``[num_tokens, num_kv_heads, head_dim]`` into their slots."""
+
+    def forward(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        """Causal attention of ``query [num_tokens, num_heads, head_dim]`` over the paged cache
+        (which already holds this step's keys and values). Returns the same shape as query."""
+
+
+class TorchAttentionBackend:
+    """Reference backend: gathers each request's context from the block table, then SDPA."""
+
+    name = "torch"
+
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
+        keep = slot_mapping >= 0
+        slots = slot_mapping[keep]
+        flat = kv_cache.view(2, num_blocks * block_size, *kv_cache.shape[3:])
+        flat[0, slots] = key[keep].to(kv_cache.dtype)
+        flat[1, slots] = value[keep].to(kv_cache.dtype)
+
+    def forward(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        block_size = kv_cache.shape[2]
+        num_heads, num_kv_heads = query.shape[1], kv_cache.shape[3]
+        out = torch.empty_like(query)
+        starts = meta.query_start_loc_cpu
+        for i, seq_len in enumerate(meta.seq_lens_cpu):
+            q = query[starts[i] : starts[i + 1]]  # [q_len, H, D]
+            q_len = q.shape[0]
+            if q_len == 0:
+                continue
+            num_blocks = (seq_len + block_size - 1) // block_size
+            blocks = meta.block_tables[i, :num_blocks].long()
+            k = kv_cache[0, blocks].reshape(-1, num_kv_heads, kv_cache.shape[4])[:seq_len]
+            v = kv_cache[1, blocks].reshape(-1, num_kv_heads, kv_cache.shape[4])[:seq_len]
+            if num_heads != num_kv_heads:
+                k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)
+                v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
+            # Query j sits at position seq_len - q_len + j and sees keys up to there.
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+            k_pos = torch.arange(seq_len, device=query.device)
+            mask = k_pos[None, :] <= q_pos[:, None]
+            attn = torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(0, 1).to(torch.float32),
+                k.transpose(0, 1).to(torch.float32),
+                v.transpose(0, 1).to(torch.float32),
+                attn_mask=mask,
+                scale=scale,
+            )
+            out[starts[i] : starts[i + 1]] = attn.transpose(0, 1).to(query.dtype)
+        return out
+
+
+class Attention(nn.Module):
+    """The attention op of one layer: store this step's K/V, then attend over the cache."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.backend: AttentionBackend = TorchAttentionBackend()
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """q: [T, H*D], k/v: [T, Hkv*D] → [T, H*D]."""
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        self.backend.write_kv(k, v, kv_cache, meta.slot_mapping)
+        out = self.backend.forward(q, kv_cache, meta, self.scale)
+        return out.reshape(-1, self.num_heads * self.head_dim)
+
+
+def set_attention_backend(model: nn.Module, backend: AttentionBackend) -> None:
+    """Choose the backend once, at start-up, for every attention layer of a model."""
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.backend = backend
