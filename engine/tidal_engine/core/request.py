@@ -1,0 +1,128 @@
+"""One sequence as the scheduler sees it: token ids, progress and status. Pure Python.
+
+A ``Request`` is one *sample*: the engine turns a vLLM request with ``n > 1`` into n of these.
+Engine-side state (detokenizer, generator, logprobs) stays out of here; the engine keeps it in
+its own dict keyed by ``request_id`` (``extra`` is a free slot for anything small).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import Any
+
+from tidal_engine.core.block_pool import BlockHash, hash_block_tokens
+from tidal_engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()  # waiting again, to recompute its KV from scratch
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+
+_FINISHED = frozenset(
+    {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED}
+)
+
+
+class Request:
+    """Token ids plus scheduling progress.
+
+    Invariant: tokens ``all_token_ids[:num_computed_tokens]`` have their KV in the cache; the
+    next chunk covers ``all_token_ids[num_computed_tokens:]``. A chunk that reaches
+    ``num_tokens`` produces one new token.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids: list[int] = list(prompt_token_ids)
+        self.sampling_params = sampling_params if sampling_params is not None else SamplingParams()
+        self.arrival_time = arrival_time if arrival_time is not None else time.time()
+        self.cache_salt = cache_salt
+        self.lora_name = lora_name
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.num_cached_tokens = -1  # prefix-cache hit (tokens) at the first schedule; -1 before
+        self.num_preemptions = 0
+        # Hashes of the full blocks of all_token_ids, extended lazily (see update_block_hashes).
+        self.block_hashes: list[BlockHash] = []
+        self.extra: dict[str, Any] = {}
+        # prompt + outputs kept as one list so all_token_ids is O(1), not a fresh concatenation.
+        self._all_token_ids: list[int] = list(self.prompt_token_ids)
+        self._hash_block_size: int | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt followed by outputs. The live list: read it, don't mutate it."""
+        return self._all_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self._all_token_ids.append(token_id)
+
+    def update_block_hashes(self, block_size: int) -> list[BlockHash]:
+        """Extend ``block_hashes`` to cover every full block of ``all_token_ids`` and return it.
+
+        Tokens are append-only, so hashes already computed stay valid (also across
+        preemption); each call hashes only blocks that became full since the last one.
+        """
+        if self._hash_block_size is None:
+            self._hash_block_size = block_size
+        elif self._hash_block_size != block_size:
+            raise ValueError(f"block size changed from {self._hash_block_size} to {block_size}")
+        num_full_blocks = self.num_tokens // block_size
+        while len(self.block_hashes) < num_full_blocks:
+            index = len(self.block_hashes)
+            parent = self.block_hashes[-1] if index else None
+            tokens = self._all_token_ids[index * block_size : (index + 1) * block_size]
+            self.block_hashes.append(hash_block_tokens(parent, tokens, self._extra_keys(index)))
+        return self.block_hashes
+
+    def _extra_keys(self, block_index: int) -> tuple[str, ...]:
+        # LoRA changes the KV of every block; the salt only needs to enter the first hash
+        # because every later hash chains through it.
+        keys: list[str] = []
+        if self.lora_name is not None:
+            keys.append(f"lora={self.lora_name}")
+        if block_index == 0 and self.cache_salt is not None:
+            keys.append(f"salt={self.cache_salt}")
+        return tuple(keys)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, prompt={self.num_prompt_tokens}, "
+            f"output={self.num_output_tokens}, computed={self.num_computed_tokens})"
+        )

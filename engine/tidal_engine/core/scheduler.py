@@ -1,0 +1,298 @@
+"""Continuous batching with chunked prefill, prefix caching and preemption by recompute.
+
+One ``schedule()`` call builds one forward pass, under a token budget
+(``max_num_batched_tokens``) and a sequence cap (``max_num_seqs``):
+
+1. running requests in the decode phase get their 1 token each, oldest first;
+2. running requests still in prefill get their next chunk, oldest first;
+3. if nothing was preempted this step, waiting requests are admitted in order (preempted ones
+   sit at the front), each with a prefix-cache lookup.
+
+Decodes go before prefill chunks so a long prompt never stalls running generations.
+When a running request cannot get blocks, the newest running request (by arrival) is preempted:
+its blocks are freed, ``num_computed_tokens`` goes back to 0 and it returns to the front of the
+waiting queue, keeping its output tokens (prompt + outputs are recomputed later; the prefix
+cache usually makes that cheap). If the request needing blocks is itself the newest, it is the
+one preempted.
+
+Decisions:
+- Without chunked prefill a prompt is scheduled whole or not at all, and a waiting request that
+  doesn't fit blocks the ones behind it (FCFS). ``SchedulerConfig`` rejects
+  ``max_num_batched_tokens < max_model_len`` in that mode (vLLM's rule), so any admissible
+  prompt fits an empty step.
+- ``Scheduler`` raises at construction if the KV cache cannot hold one ``max_model_len``
+  sequence, and ``add_request`` rejects prompts longer than ``max_model_len``. With both, the
+  oldest running request can always make progress (everything else can be preempted), so the
+  scheduler cannot deadlock. Finishing a request that reaches ``max_model_len`` or its
+  ``max_tokens`` is the engine's job; the scheduler never schedules a position
+  ``>= max_model_len`` (such a request just idles until finished).
+- ``num_cached_tokens`` is set when a request is first admitted (its prefix hit then) and
+  kept across preemptions.
+"""
+
+from __future__ import annotations
+
+import itertools
+from bisect import insort
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from tidal_engine.core.kv_cache_manager import KVCacheManager
+from tidal_engine.core.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from tidal_engine.config import EngineConfig
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+    block_size: int = 16
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
+                f"({self.max_model_len}) when chunked prefill is disabled, or long prompts could never run"
+            )
+
+    @classmethod
+    def from_engine_config(cls, config: EngineConfig, max_model_len: int) -> SchedulerConfig:
+        """Resolve vLLM's defaults: a 2048-token budget with chunked prefill, else enough for
+        a full-length prompt."""
+        budget = config.max_num_batched_tokens
+        if budget is None:
+            budget = DEFAULT_MAX_NUM_BATCHED_TOKENS
+            if not config.enable_chunked_prefill:
+                budget = max(budget, max_model_len)
+        return cls(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=budget,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            block_size=config.block_size,
+        )
+
+
+@dataclass
+class ScheduledChunk:
+    """Tokens ``request.all_token_ids[start : start + num_new_tokens]`` for this step.
+
+    ``request.num_computed_tokens`` is still ``start`` until ``update_from_output``.
+    ``samples``: the chunk reaches ``request.num_tokens``, so this step yields a token for it.
+    """
+
+    request: Request
+    num_new_tokens: int
+    block_ids: list[int]
+    samples: bool
+
+    @property
+    def start(self) -> int:
+        return self.request.num_computed_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.request.all_token_ids[self.start : self.start + self.num_new_tokens]
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    num_batched_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+        if kv_cache_manager.block_size != config.block_size:
+            raise ValueError(
+                f"block_size mismatch: scheduler {config.block_size}, KV cache {kv_cache_manager.block_size}"
+            )
+        blocks_needed = -(-config.max_model_len // config.block_size)
+        if kv_cache_manager.num_blocks < blocks_needed:
+            raise ValueError(
+                f"the KV cache has {kv_cache_manager.num_blocks} blocks of {config.block_size} tokens, "
+                f"fewer than the {blocks_needed} one sequence of max_model_len={config.max_model_len} needs; "
+                "lower max_model_len or give the KV cache more memory"
+            )
+        self.config = config
+        self.kv_cache_manager = kv_cache_manager
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # kept sorted by arrival: oldest first, newest last
+        self.num_preemptions = 0
+        # Tie-breaker for equal arrival times: order of add_request.
+        self._order: dict[str, tuple[float, int]] = {}
+        self._counter = itertools.count()
+
+    # ---- queue management ---------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already scheduled")
+        if request.num_tokens == 0:
+            raise ValueError("a request needs at least one prompt token")
+        if request.num_tokens > self.config.max_model_len:
+            raise ValueError(
+                f"request {request.request_id!r} has {request.num_tokens} tokens, "
+                f"more than max_model_len={self.config.max_model_len}"
+            )
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self._order[request.request_id] = (request.arrival_time, next(self._counter))
+        self.waiting.append(request)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Remove a request in any state, free its blocks and set its final status."""
+        if not status.is_finished:
+            raise ValueError(f"{status} is not a finished status")
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        self._order.pop(request_id, None)
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self.kv_cache_manager.free(request)
+        request.status = status
+        return request
+
+    def abort_request(self, request_id: str) -> Request | None:
+        return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # ---- one step -----------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[str, ScheduledChunk] = {}  # insertion order = batch order
+        preempted: list[Request] = []
+
+        def preempt_newest() -> Request:
+            nonlocal budget
+            victim = self.running.pop()
+            chunk = scheduled.pop(victim.request_id, None)
+            if chunk is not None:  # give back what it was granted earlier in this step
+                budget += chunk.num_new_tokens
+            self._preempt(victim)
+            preempted.append(victim)
+            return victim
+
+        # Phase 1: decodes; phase 2: prefill chunks of running requests. Snapshots, because
+        # preemption removes requests from self.running while we iterate.
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        for request in decodes + prefills:
+            if budget == 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this step
+            num_new = self._num_new_tokens(request, budget)
+            if num_new == 0:
+                continue
+            while True:
+                block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+                if block_ids is not None:
+                    break
+                if preempt_newest() is request:
+                    break
+            if block_ids is None:
+                # It was the newest itself. Older running requests later in the list (prefills
+                # come after decodes) may still fit, so keep going rather than stop.
+                continue
+            scheduled[request.request_id] = self._chunk(request, num_new, block_ids)
+            budget -= num_new
+
+        # Phase 3: admissions. Skipped after a preemption so the victim isn't readmitted at
+        # once and the cache gets a step to drain.
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            computed_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit  # >= 1: a hit never covers the last token
+            if num_new > budget:
+                if not self.config.enable_chunked_prefill:
+                    break  # whole prompts only; FCFS, so the queue waits behind it
+                num_new = budget
+            block_ids = self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks)
+            if block_ids is None:
+                break  # no room; retry next step, after running requests have moved on
+            self.waiting.popleft()
+            request.num_computed_tokens = num_hit
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            request.status = RequestStatus.RUNNING
+            insort(self.running, request, key=lambda r: self._order[r.request_id])
+            scheduled[request.request_id] = self._chunk(request, num_new, block_ids)
+            budget -= num_new
+
+        chunks = list(scheduled.values())
+        return SchedulerOutput(
+            chunks=chunks,
+            preempted=preempted,
+            num_batched_tokens=sum(c.num_new_tokens for c in chunks),
+        )
+
+    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance each scheduled request by its chunk, append sampled tokens, cache full blocks.
+
+        ``sampled`` maps request_id to the token drawn for chunks with ``samples`` set.
+        Returns the requests that received a token. Requests finished or aborted since
+        ``schedule()`` are skipped.
+        """
+        got_token: list[Request] = []
+        for chunk in output.chunks:
+            request = chunk.request
+            if request.status != RequestStatus.RUNNING or self.requests.get(request.request_id) is not request:
+                continue
+            request.num_computed_tokens += chunk.num_new_tokens
+            if chunk.samples:
+                token_id = sampled.get(request.request_id)
+                if token_id is not None:
+                    request.append_output_token(token_id)
+                    got_token.append(request)
+            self.kv_cache_manager.cache_full_blocks(request)
+        return got_token
+
+    # ---- helpers ------------------------------------------------------------------------
+    def _num_new_tokens(self, request: Request, budget: int) -> int:
+        num_new = request.num_tokens - request.num_computed_tokens
+        # A running request is only mid-prefill with chunking on, so clipping to the budget
+        # is a chunk split; without chunking num_new is 1 here.
+        num_new = min(num_new, budget)
+        # Never write KV past the model's context; the engine finishes such a request.
+        return max(0, min(num_new, self.config.max_model_len - request.num_computed_tokens))
+
+    def _chunk(self, request: Request, num_new: int, block_ids: list[int]) -> ScheduledChunk:
+        samples = request.num_computed_tokens + num_new == request.num_tokens
+        return ScheduledChunk(request=request, num_new_tokens=num_new, block_ids=block_ids, samples=samples)
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
