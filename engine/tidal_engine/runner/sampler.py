@@ -1,0 +1,255 @@
+"""Token sampling for one engine step: penalties, min_tokens, greedy or filtered random sampling, logprobs.
+
+Order of operations (per row):
+  1. repetition penalty (prompt + output tokens; HF/vLLM: divide positive logits, multiply negative ones)
+  2. frequency and presence penalties (output tokens only; OpenAI semantics)
+  3. min_tokens: EOS (unless ignore_eos) and stop_token_ids are masked while the output is too short
+  4. greedy rows: argmax; the others: temperature, top_k, top_p, min_p, then an exponential race.
+
+Logprobs come from the log_softmax of the RAW logits (vLLM V1's default "raw_logprobs" mode), so they do
+not depend on the penalties or on the sampling filters.
+
+Seeded rows draw their noise from their own generator, one full-vocabulary draw per step, so a seed gives
+the same tokens whatever else shares the batch. Unseeded rows share one generator (torch's default
+generator unless one is given), the only state the sampler keeps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tidal_engine.outputs import Logprob, PositionLogprobs
+from tidal_engine.sampling_params import SamplingParams
+
+__all__ = ["SamplingRow", "SamplerOutput", "Sampler", "make_generator"]
+
+
+@dataclass
+class SamplingRow:
+    """What the sampler needs to know about one request to pick its next token."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    # Per-request generator, set when params.seed is set (see make_generator); None: shared generator.
+    generator: torch.Generator | None = None
+    eos_token_ids: set[int] = field(default_factory=set)
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[PositionLogprobs | None]  # None where the request asked for no logprobs
+    sampled_logprob: list[float]  # raw logprob of each sampled token, for cumulative_logprob
+
+
+def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
+    """A request's private generator; it lives with the request and advances one draw per step."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+class Sampler:
+    def __init__(self, generator: torch.Generator | None = None) -> None:
+        # None: torch's default generator for the logits' device (seeded by torch.manual_seed).
+        self.generator = generator
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits must be [len(rows), vocab], got {tuple(logits.shape)} for {len(rows)} rows")
+        num_rows, vocab = logits.shape
+        device = logits.device
+        if num_rows == 0:
+            return SamplerOutput(token_ids=[], logprobs=[], sampled_logprob=[])
+        raw = logits.float()
+        raw_logprobs = torch.log_softmax(raw, dim=-1)
+
+        # Copy only when something will modify the logits: the caller's tensor stays untouched.
+        processed = raw
+        if any(_needs_penalties(r.params) for r in rows) or any(_in_min_tokens(r) for r in rows):
+            processed = raw.clone()
+            _apply_penalties(processed, rows)
+            _apply_min_tokens(processed, rows)
+
+        greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
+        stochastic = [i for i, r in enumerate(rows) if not r.params.is_greedy]
+        if not stochastic:
+            token_ids = processed.argmax(dim=-1)
+        else:
+            token_ids = torch.empty(num_rows, dtype=torch.long, device=device)
+            if greedy:
+                g_idx = torch.tensor(greedy, dtype=torch.long, device=device)
+                token_ids[g_idx] = processed[g_idx].argmax(dim=-1)
+            r_idx = torch.tensor(stochastic, dtype=torch.long, device=device)
+            token_ids[r_idx] = self._sample(processed[r_idx], [rows[i] for i in stochastic])
+
+        sampled_lp = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+        logprobs = _collect_logprobs(raw_logprobs, token_ids, sampled_lp, rows)
+        return SamplerOutput(
+            token_ids=token_ids.tolist(),
+            logprobs=logprobs,
+            sampled_logprob=sampled_lp.tolist(),
+        )
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Random sampling for non-greedy rows; logits [M, V] may be modified in place (a private copy)."""
+        num_rows, vocab = logits.shape
+        device = logits.device
+        temperature = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype, device=device)
+        logits = logits / temperature.unsqueeze(1)
+
+        top_k_list = [r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in rows]
+        top_p_list = [r.params.top_p for r in rows]
+        use_top_k = any(k < vocab for k in top_k_list)
+        use_top_p = any(p < 1.0 for p in top_p_list)
+        if use_top_k or use_top_p:
+            # One stable descending sort serves both filters; stable so ties keep vocabulary order
+            # (top_k=1 then picks the same token as argmax).
+            sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
+            if use_top_k:
+                top_k = torch.tensor(top_k_list, dtype=torch.long, device=device)
+                positions = torch.arange(vocab, device=device)
+                sorted_logits.masked_fill_(positions.unsqueeze(0) >= top_k.unsqueeze(1), float("-inf"))
+            if use_top_p:
+                top_p = torch.tensor(top_p_list, dtype=logits.dtype, device=device)
+                probs_sorted = sorted_logits.softmax(dim=-1)
+                mass_before = probs_sorted.cumsum(dim=-1) - probs_sorted
+                # Keep the smallest head whose mass reaches top_p: drop a token once the mass of the
+                # tokens before it already does. The most likely token always stays.
+                drop = mass_before >= top_p.unsqueeze(1)
+                drop[:, 0] = False
+                sorted_logits.masked_fill_(drop, float("-inf"))
+            logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+        probs = logits.softmax(dim=-1)
+        min_p_list = [r.params.min_p for r in rows]
+        if any(p > 0.0 for p in min_p_list):
+            min_p = torch.tensor(min_p_list, dtype=probs.dtype, device=device)
+            threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+            # No renormalisation needed: the exponential race is scale invariant per row.
+            probs = probs.masked_fill(probs < threshold, 0.0)
+
+        noise = self._noise(probs, rows)
+        # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) picks i with probability p_i.
+        return (probs / noise).argmax(dim=-1)
+
+    def _noise(self, probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        noise = torch.empty_like(probs)
+        shared = [j for j, r in enumerate(rows) if r.generator is None]
+        if len(shared) == len(rows):
+            noise.exponential_(generator=self.generator)
+        elif shared:
+            s_idx = torch.tensor(shared, dtype=torch.long, device=probs.device)
+            noise[s_idx] = torch.empty(
+                (len(shared), probs.shape[1]), dtype=probs.dtype, device=probs.device
+            ).exponential_(generator=self.generator)
+        for j, row in enumerate(rows):
+            if row.generator is not None:
+                noise[j].exponential_(generator=row.generator)
+        # exponential_ may return exactly 0 on some backends; a zero would turn into inf and win.
+        return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+
+
+def _needs_penalties(params: SamplingParams) -> bool:
+    return (
+        params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
+    )
+
+
+def _in_min_tokens(row: SamplingRow) -> bool:
+    return len(row.output_token_ids) < row.params.min_tokens
+
+
+def _token_counts(
+    token_lists: list[list[int]], vocab: int, device: torch.device
+) -> torch.Tensor:
+    """[len(token_lists), vocab] float counts of each token id, built with one scatter_add."""
+    longest = max((len(t) for t in token_lists), default=0)
+    # Pad with an extra column `vocab` that is dropped afterwards; out-of-range ids land there too.
+    padded = [[t if 0 <= t < vocab else vocab for t in ids] + [vocab] * (longest - len(ids)) for ids in token_lists]
+    counts = torch.zeros((len(token_lists), vocab + 1), dtype=torch.float32, device=device)
+    if longest:
+        index = torch.tensor(padded, dtype=torch.long, device=device)
+        counts.scatter_add_(1, index, torch.ones_like(index, dtype=torch.float32))
+    return counts[:, :vocab]
+
+
+def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    vocab = logits.shape[1]
+    device = logits.device
+    rep = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
+    if rep:
+        idx = torch.tensor(rep, dtype=torch.long, device=device)
+        seen = _token_counts([rows[i].prompt_token_ids + rows[i].output_token_ids for i in rep], vocab, device) > 0
+        penalty = torch.tensor(
+            [rows[i].params.repetition_penalty for i in rep], dtype=logits.dtype, device=device
+        ).unsqueeze(1)
+        sub = logits[idx]
+        penalised = torch.where(sub > 0, sub / penalty, sub * penalty)
+        logits[idx] = torch.where(seen, penalised, sub)
+
+    freq_pres = [
+        i for i, r in enumerate(rows) if r.params.frequency_penalty != 0.0 or r.params.presence_penalty != 0.0
+    ]
+    if freq_pres:
+        idx = torch.tensor(freq_pres, dtype=torch.long, device=device)
+        counts = _token_counts([rows[i].output_token_ids for i in freq_pres], vocab, device)
+        freq = torch.tensor([rows[i].params.frequency_penalty for i in freq_pres], dtype=logits.dtype, device=device)
+        pres = torch.tensor([rows[i].params.presence_penalty for i in freq_pres], dtype=logits.dtype, device=device)
+        logits[idx] = logits[idx] - freq.unsqueeze(1) * counts - pres.unsqueeze(1) * (counts > 0).to(logits.dtype)
+
+
+def _apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    vocab = logits.shape[1]
+    row_ids: list[int] = []
+    col_ids: list[int] = []
+    for i, row in enumerate(rows):
+        if not _in_min_tokens(row):
+            continue
+        banned = set(row.params.stop_token_ids or [])
+        # With ignore_eos, EOS does not end the request, so it need not be held back (as in vLLM).
+        if not row.params.ignore_eos:
+            banned |= row.eos_token_ids
+        for token in banned:
+            if 0 <= token < vocab:
+                row_ids.append(i)
+                col_ids.append(token)
+    if row_ids:
+        logits[row_ids, col_ids] = float("-inf")
+
+
+def _collect_logprobs(
+    raw_logprobs: torch.Tensor,
+    token_ids: torch.Tensor,
+    sampled_lp: torch.Tensor,
+    rows: list[SamplingRow],
+) -> list[PositionLogprobs | None]:
+    wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    result: list[PositionLogprobs | None] = [None] * len(rows)
+    if not wanted:
+        return result
+    device = raw_logprobs.device
+    idx = torch.tensor(wanted, dtype=torch.long, device=device)
+    sub = raw_logprobs[idx]
+    # Rank 1 = most likely; ties share the better rank.
+    ranks = ((sub > sampled_lp[idx].unsqueeze(1)).sum(dim=-1) + 1).tolist()
+    k = max(rows[i].params.logprobs or 0 for i in wanted)
+    top_values: list[list[float]] = [[] for _ in wanted]
+    top_ids: list[list[int]] = [[] for _ in wanted]
+    if k > 0:
+        values, ids = sub.topk(min(k, sub.shape[1]), dim=-1)
+        top_values, top_ids = values.tolist(), ids.tolist()
+    sampled_ids = token_ids[idx].tolist()
+    sampled_values = sampled_lp[idx].tolist()
+    for j, i in enumerate(wanted):
+        # Sampled token first, then the top alternatives, as vLLM orders them.
+        position: PositionLogprobs = {sampled_ids[j]: Logprob(logprob=sampled_values[j], rank=ranks[j])}
+        n_top = rows[i].params.logprobs or 0
+        for r, (token, value) in enumerate(zip(top_ids[j][:n_top], top_values[j][:n_top]), start=1):
+            if token not in position:
+                position[token] = Logprob(logprob=value, rank=r)
+        result[i] = position
+    return result
