@@ -1,0 +1,24 @@
+"""Small helpers shared by the Triton kernel wrappers."""
+
+from __future__ import annotations
+
+import torch
+
+
+def next_power_of_2(n: int) -> int:
+    """Smallest power of two >= n (and >= 1); tl.arange needs power-of-two extents."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def check_dtype(name: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None:
+    if t.dtype not in allowed:
+        raise TypeError(f"{name}: dtype {t.dtype} not supported, expected one of {allowed}")
+
+
+def check_same_device(**tensors: torch.Tensor) -> None:
+    devices = {name: t.device for name, t in tensors.items()}
+    if len(set(devices.values())) > 1:
+        raise ValueError(f"tensors on different devices: {devices}")
+
+
+FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
