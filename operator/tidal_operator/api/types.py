@@ -1,0 +1,216 @@
+"""Typed models of the LLMService spec, mirroring crds/tidal.dev_llmservices.yaml.
+
+Field names are camelCase on the wire (aliases) and snake_case in Python. Every default
+here is identical to the CRD's default (tests/operator/test_crd.py checks it), because the
+local control plane does not apply OpenAPI defaults: the operator must get the same spec
+whether or not an API server defaulted it.
+
+The models check types and simple ranges only; cross-field rules live in validation.py,
+which also turns pydantic's errors into readable problems.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal, Mapping, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+WeightQuantization = Literal["none", "fp8", "awq", "gptq"]
+KvCacheDtype = Literal["auto", "fp8"]
+PullPolicy = Literal["Always", "IfNotPresent", "Never"]
+ScalingMetric = Literal["requestsWaiting", "requestsInFlight", "kvCacheUsage"]
+ScalingMode = Literal["builtin", "hpa", "keda"]
+RoutingStrategy = Literal["leastLoad", "prefixHash"]
+# Kubernetes quantities are int-or-string ("2", 2, "500m", "4Gi").
+Quantity = Union[str, int]
+
+DEFAULT_PORT = 8000
+DEFAULT_STARTUP_TIMEOUT_SECONDS = 600
+DEFAULT_CPU = "1"
+DEFAULT_MEMORY = "2Gi"
+DEFAULT_HF_TOKEN_KEY = "token"
+DEFAULT_API_KEY_KEY = "api-key"
+DEFAULT_REPLICAS = 1  # when neither spec.replicas nor spec.autoscaling is given
+
+
+class _Model(BaseModel):
+    # extra="forbid": the local API server doesn't prune unknown fields, so a typo such as
+    # `maxmodelLen` must surface as a problem rather than be silently ignored.
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+
+
+class SecretKeyRef(_Model):
+    name: str = Field(min_length=1)
+    key: str = Field(min_length=1)
+
+
+class HfTokenSecretRef(SecretKeyRef):
+    key: str = Field(default=DEFAULT_HF_TOKEN_KEY, min_length=1)
+
+
+class ApiKeySecretRef(SecretKeyRef):
+    key: str = Field(default=DEFAULT_API_KEY_KEY, min_length=1)
+
+
+class ModelSpec(_Model):
+    uri: str = Field(min_length=1)
+    served_name: str | None = None  # default: metadata.name
+    max_model_len: int | None = Field(default=None, ge=1)
+    dtype: Dtype = "auto"
+    hf_token_secret_ref: HfTokenSecretRef | None = None
+
+
+class EngineResources(_Model):
+    cpu: Quantity = DEFAULT_CPU
+    memory: Quantity = DEFAULT_MEMORY
+    # Asking for GPUs: absent or 0 runs on CPU; otherwise it must equal tensor x pipeline.
+    gpu: int | None = Field(default=None, ge=0)
+
+
+class EnvVar(_Model):
+    name: str = Field(min_length=1)
+    value: str | None = None
+    value_from: dict[str, Any] | None = None
+
+
+class EngineSpec(_Model):
+    image: str | None = None  # default: OperatorConfig.default_engine_image
+    image_pull_policy: PullPolicy = "IfNotPresent"
+    resources: EngineResources = Field(default_factory=EngineResources)
+    args: list[str] = Field(default_factory=list)
+    env: list[EnvVar] = Field(default_factory=list)
+    port: int = Field(default=DEFAULT_PORT, ge=1, le=65535)
+    max_num_seqs: int | None = Field(default=None, ge=1)
+    max_num_batched_tokens: int | None = Field(default=None, ge=1)
+    gpu_memory_utilization: float | None = Field(default=None, gt=0, le=1)
+    kv_cache_memory: Quantity | None = None
+    startup_timeout_seconds: int = Field(default=DEFAULT_STARTUP_TIMEOUT_SECONDS, ge=10)
+
+
+class ParallelismSpec(_Model):
+    tensor: int = Field(default=1, ge=1)
+    pipeline: int = Field(default=1, ge=1)
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor * self.pipeline
+
+
+class QuantizationSpec(_Model):
+    weights: WeightQuantization = "none"
+    kv_cache: KvCacheDtype = "auto"
+
+
+class LoraAdapter(_Model):
+    name: str = Field(min_length=1)
+    uri: str = Field(min_length=1)
+
+
+class LoraSpec(_Model):
+    max_adapters: int = Field(default=4, ge=1)
+    max_rank: int = Field(default=16, ge=1, le=512)
+    adapters: list[LoraAdapter] = Field(default_factory=list)
+
+
+class FeaturesSpec(_Model):
+    prefix_caching: bool = True
+    chunked_prefill: bool = True
+
+
+class AutoscalingSpec(_Model):
+    min_replicas: int = Field(default=0, ge=0)
+    max_replicas: int = Field(ge=1)
+    metric: ScalingMetric = "requestsWaiting"
+    target: float = Field(gt=0)
+    scale_up_stabilization_seconds: int = Field(default=0, ge=0)
+    scale_down_delay_seconds: int = Field(default=300, ge=0)
+    mode: ScalingMode = "builtin"
+
+
+class SleepSpec(_Model):
+    after_idle_seconds: int = Field(default=300, ge=1)
+    level: Literal[1, 2] = 1
+    # Both measured from the start of the idle window, not from the previous step.
+    deep_after_seconds: int | None = Field(default=None, ge=1)
+    remove_after_seconds: int | None = Field(default=None, ge=1)
+
+
+class RoutingSpec(_Model):
+    strategy: RoutingStrategy = "leastLoad"
+
+
+class AuthSpec(_Model):
+    api_key_secret_ref: ApiKeySecretRef
+
+
+class Toleration(_Model):
+    key: str | None = None
+    operator: Literal["Exists", "Equal"] | None = None
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = None
+
+
+class PodTemplateSpec(_Model):
+    labels: dict[str, str] = Field(default_factory=dict)
+    annotations: dict[str, str] = Field(default_factory=dict)
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[Toleration] = Field(default_factory=list)
+    affinity: dict[str, Any] | None = None
+    priority_class_name: str | None = None
+    service_account_name: str | None = None
+
+
+class LLMServiceSpec(_Model):
+    model: ModelSpec
+    engine: EngineSpec = Field(default_factory=EngineSpec)
+    parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec)
+    quantization: QuantizationSpec = Field(default_factory=QuantizationSpec)
+    lora: LoraSpec | None = None  # absent: LoRA off (no --enable-lora)
+    features: FeaturesSpec = Field(default_factory=FeaturesSpec)
+    replicas: int | None = Field(default=None, ge=0)
+    autoscaling: AutoscalingSpec | None = None
+    sleep: SleepSpec | None = None  # absent: never sleeps (no --enable-sleep-mode)
+    routing: RoutingSpec = Field(default_factory=RoutingSpec)
+    auth: AuthSpec | None = None
+    pod_template: PodTemplateSpec = Field(default_factory=PodTemplateSpec)
+
+    @classmethod
+    def from_body(cls, spec: Mapping[str, Any]) -> "LLMServiceSpec":
+        """Parse the `spec` of an LLMService body (camelCase keys). Raises pydantic's
+        ValidationError; validation.validate_spec turns that into readable problems."""
+        return cls.model_validate(dict(spec))
+
+    def served_name(self, llm_name: str) -> str:
+        return self.model.served_name or llm_name
+
+    @property
+    def gpu_count(self) -> int:
+        """GPUs per Pod: tensor x pipeline when GPUs are asked for (engine.resources.gpu > 0),
+        else 0 (a CPU engine)."""
+        requested = self.engine.resources.gpu or 0
+        return self.parallelism.world_size if requested > 0 else 0
+
+    def to_body(self) -> dict[str, Any]:
+        """The spec as camelCase JSON, without unset optional fields."""
+        return self.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    """Operator-wide settings, passed into every pure function (never read from globals)."""
+
+    default_engine_image: str = "ghcr.io/tidal-dev/tidal-engine:0.1.0"
+    # Where LoRA adapters may come from. file:// adapters are allowed only under
+    # allowed_file_roots, so a spec can't point the engine at arbitrary host paths.
+    allowed_adapter_uri_prefixes: tuple[str, ...] = ("hf://", "pvc://", "bundled://")
+    allowed_file_roots: tuple[str, ...] = ()
+    namespace: str | None = None  # None: all namespaces
+    cluster_domain: str = "cluster.local"
+    termination_grace_period_seconds: int = 60
+    # Seconds the preStop hook waits so endpoints and the router stop sending before SIGTERM.
+    pre_stop_sleep_seconds: int = 5
+    run_as_user: int = 1000
