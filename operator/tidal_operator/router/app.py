@@ -1,0 +1,275 @@
+"""The router's FastAPI app and its `tidal router` entry point."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import contextlib
+import hmac
+import logging
+import os
+from typing import Any, AsyncIterator, Iterable, Sequence
+
+import httpx
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from tidal_operator.router.metrics import RouterMetrics
+from tidal_operator.router.proxy import AUTHENTICATION, Proxy, RouterConfig, error_body, send_json
+from tidal_operator.router.registry import KubernetesWatcher, Registry
+from tidal_operator.router.waker import DemandBook, WakeLease, Waker
+
+log = logging.getLogger("tidal.router")
+
+API_KEY_ENV = "TIDAL_ROUTER_API_KEY"
+OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+OPEN_PATHS = frozenset({"/health"})  # probes come without credentials
+
+
+class ApiKeys:
+    """The client-facing keys. Mutable so a router-wide Secret can rotate them live."""
+
+    def __init__(self, keys: Iterable[str] = (), *, allow_empty: bool = False) -> None:
+        self.allow_empty = allow_empty  # no keys configured: open (dev) or closed (keys pending)
+        self.set(keys)
+
+    def set(self, keys: Iterable[str]) -> None:
+        self._expected = tuple(f"Bearer {k}".encode() for k in keys if k)
+
+    def __bool__(self) -> bool:
+        return bool(self._expected)
+
+    def accepts(self, authorization: bytes) -> bool:
+        if not self._expected:
+            return self.allow_empty
+        # Compare against every key, without stopping early: the time taken reveals nothing.
+        ok = False
+        for expected in self._expected:
+            ok |= hmac.compare_digest(authorization, expected)
+        return ok
+
+
+class ApiKeyMiddleware:
+    """Bearer auth before routing, so unknown paths without a key get 401 too."""
+
+    def __init__(self, app: ASGIApp, keys: ApiKeys, open_paths: frozenset[str]) -> None:
+        self.app = app
+        self.keys = keys
+        self.open_paths = open_paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in self.open_paths or scope["method"] == "OPTIONS":
+            await self.app(scope, receive, send)
+            return
+        provided = next((v for k, v in scope.get("headers", []) if k == b"authorization"), b"")
+        if self.keys.accepts(provided):
+            await self.app(scope, receive, send)
+            return
+        message = "Missing API key" if not provided else "Invalid API key"
+        await send_json(send, 401, error_body(401, f"{message}: send 'Authorization: Bearer <key>'.", AUTHENTICATION,
+                                              code="invalid_api_key"), {"WWW-Authenticate": "Bearer"})
+
+
+def models_payload(registry: Registry) -> dict[str, Any]:
+    """GET /v1/models in OpenAI form; adapters name their base model in `parent`."""
+    data: list[dict[str, Any]] = []
+    for entry in registry.state.entries():
+        ready = sum(1 for r in entry.replicas if r.ready and not r.deleting)
+        awake = sum(1 for r in entry.replicas if r.routable)
+        base = {"object": "model", "created": 0, "owned_by": "tidal", "root": entry.served_name,
+                "tidal": {"llmservice": entry.llmservice, "namespace": entry.namespace,
+                          "replicas": len(entry.replicas), "ready": ready, "awake": awake}}
+        data.append({"id": entry.served_name, "parent": None, **base})
+        for adapter in sorted(entry.adapters):
+            data.append({"id": adapter, "parent": entry.served_name, **base})
+    return {"object": "list", "data": data}
+
+
+def default_http_client(config: RouterConfig) -> httpx.AsyncClient:
+    # No connection cap: each streamed request holds one connection for its whole life.
+    return httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+                             timeout=httpx.Timeout(config.connect_timeout_s, read=config.read_timeout_s))
+
+
+def create_app(registry: Registry, config: RouterConfig, http_client: httpx.AsyncClient | None = None, *,
+               wake_lease: WakeLease | None = None, api_keys: ApiKeys | None = None) -> FastAPI:
+    """The router app. `api_keys` overrides config.api_keys (for keys rotated from a Secret)."""
+    if api_keys is None:
+        if not config.api_keys and not config.allow_unauthenticated:
+            raise ValueError("the router needs at least one API key (or allow_unauthenticated=True)")
+        api_keys = ApiKeys(config.api_keys, allow_empty=config.allow_unauthenticated)
+    keys = api_keys
+    owns_client = http_client is None
+    http = http_client or default_http_client(config)
+    metrics = RouterMetrics()
+    waker = Waker(registry, http, metrics, lease=wake_lease, wake_timeout_s=config.wake_timeout_s,
+                  poll_interval_s=config.wake_poll_interval_s)
+    demand = DemandBook(metrics, config.max_held_per_model)
+    proxy = Proxy(registry, config, http, metrics, waker, demand)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        await waker.close()
+        if owns_client:
+            await http.aclose()
+
+    app = FastAPI(title="Tidal router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.registry = registry
+    app.state.proxy = proxy
+    app.state.metrics = metrics
+    app.state.waker = waker
+    app.state.demand = demand
+    app.state.api_keys = keys
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def list_models() -> JSONResponse:
+        return JSONResponse(models_payload(registry))
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        body, content_type = metrics.exposition()
+        return Response(body, media_type=content_type)
+
+    @app.get("/debug/demand")
+    async def debug_demand() -> JSONResponse:
+        """Held requests per LLMService: what the autoscaler treats as demand at zero replicas."""
+        return JSONResponse({"demand": demand.snapshot(), "wakeCalls": waker.wake_calls})
+
+    @app.get("/debug/replicas")
+    async def debug_replicas() -> JSONResponse:
+        out = []
+        for entry in registry.state.entries():
+            for r in entry.replicas:
+                out.append({"llmservice": r.llmservice, "namespace": r.namespace, "pod": r.pod_name, "url": r.url,
+                            "ready": r.ready, "sleepState": r.sleep_state, "deleting": r.deleting,
+                            "adapters": sorted(r.adapters), "outstanding": proxy.loads.outstanding.get(r.key, 0),
+                            "coolingDown": r.key in proxy.loads.cooling()})
+        return JSONResponse({"replicas": out})
+
+    for path in OPENAI_PATHS:
+        app.router.routes.append(Route(path, endpoint=proxy.endpoint(path), methods=["POST"]))
+
+    open_paths = OPEN_PATHS if config.protect_metrics else OPEN_PATHS | {"/metrics", "/debug/demand"}
+    app.add_middleware(ApiKeyMiddleware, keys=keys, open_paths=open_paths)
+    return app
+
+
+# --- running it against a cluster ------------------------------------------------------------
+
+async def _load_api_client(kubeconfig: str | None, in_cluster: bool) -> Any:
+    from kubernetes_asyncio import client, config as k8s_config
+
+    if in_cluster:
+        k8s_config.load_incluster_config()
+        return client.ApiClient()
+    configuration = client.Configuration()
+    await k8s_config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
+    return client.ApiClient(configuration)
+
+
+async def _refresh_router_keys(api_client: Any, secret: str, keys: ApiKeys, static: Sequence[str],
+                               interval_s: float) -> None:
+    """Keep `keys` = static keys + every value in the router-wide Secret ("namespace/name")."""
+    from kubernetes_asyncio import client
+
+    namespace, _, name = secret.rpartition("/")
+    core = client.CoreV1Api(api_client)
+    while True:
+        try:
+            obj = await core.read_namespaced_secret(name, namespace or "default")
+            values = [base64.b64decode(v).decode().strip() for v in (obj.data or {}).values() if v]
+            keys.set([*static, *values])
+        except Exception as exc:  # keep the last good keys
+            log.warning("cannot read router API key Secret %s: %s", secret, type(exc).__name__)
+        await asyncio.sleep(interval_s)
+
+
+async def run_router(*, kubeconfig: str | None = None, in_cluster: bool = False, host: str = "0.0.0.0",
+                     port: int = 8080, namespace: str | None = None, config: RouterConfig | None = None,
+                     api_keys_secret: str | None = None, wake_lease: str = "kubernetes",
+                     log_level: str = "info", ready: asyncio.Event | None = None) -> None:
+    """Serve the router until cancelled: watch the cluster, answer on host:port.
+
+    api_keys_secret: "namespace/name" of a Secret whose every value is a client key.
+    wake_lease: "kubernetes" (annotation lease on the Pod) or "none" (rely on idempotency).
+    """
+    import uvicorn
+
+    from tidal_operator.router.waker import KubernetesWakeLease
+
+    config = config or RouterConfig()
+    api_client = await _load_api_client(kubeconfig, in_cluster)
+    registry = Registry()
+    if not config.api_keys and not api_keys_secret and not config.allow_unauthenticated:
+        raise ValueError(f"give --api-key, ${API_KEY_ENV} or --api-keys-secret (or --allow-unauthenticated)")
+    # With a Secret, requests are refused (not let through) until its keys are read.
+    keys = ApiKeys(config.api_keys, allow_empty=config.allow_unauthenticated and not api_keys_secret)
+    tasks: list[asyncio.Task[None]] = []
+    if api_keys_secret:
+        tasks.append(asyncio.create_task(_refresh_router_keys(api_client, api_keys_secret, keys,
+                                                              config.api_keys, 30.0)))
+    lease = KubernetesWakeLease(api_client) if wake_lease == "kubernetes" else None
+    watcher = KubernetesWatcher(registry, api_client, namespace=namespace)
+    await watcher.start()
+    app = create_app(registry, config, wake_lease=lease, api_keys=keys)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
+                                           timeout_graceful_shutdown=30))
+    try:
+        serve = asyncio.create_task(server.serve())
+        while not server.started and not serve.done():
+            await asyncio.sleep(0.05)
+        if ready is not None:
+            ready.set()
+        await serve
+    finally:
+        server.should_exit = True
+        for task in tasks:
+            task.cancel()
+        await watcher.stop()
+        await api_client.close()
+
+
+def build_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    p = parser or argparse.ArgumentParser(prog="tidal router", description="Tidal's OpenAI-compatible router.")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--kubeconfig", default=None, help="default: $KUBECONFIG or ~/.kube/config")
+    p.add_argument("--in-cluster", action="store_true")
+    p.add_argument("--namespace", default=None, help="watch one namespace (default: all)")
+    p.add_argument("--api-key", action="append", default=[],
+                   help=f"a client API key (repeatable; also ${API_KEY_ENV}, comma-separated)")
+    p.add_argument("--api-keys-secret", default=None, help="namespace/name of a Secret whose values are client keys")
+    p.add_argument("--allow-unauthenticated", action="store_true", help="serve without any client key (dev only)")
+    p.add_argument("--hold-timeout", type=float, default=RouterConfig.hold_timeout_s)
+    p.add_argument("--max-held", type=int, default=RouterConfig.max_held_per_model)
+    p.add_argument("--retries", type=int, default=RouterConfig.max_retries)
+    p.add_argument("--cooldown", type=float, default=RouterConfig.cooldown_s)
+    p.add_argument("--prefix-chars", type=int, default=RouterConfig.prefix_chars)
+    p.add_argument("--wake-lease", choices=["kubernetes", "none"], default="kubernetes")
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = build_arg_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    env_keys = [k.strip() for k in os.environ.get(API_KEY_ENV, "").split(",") if k.strip()]
+    config = RouterConfig(api_keys=tuple(args.api_key) + tuple(env_keys),
+                          allow_unauthenticated=args.allow_unauthenticated, hold_timeout_s=args.hold_timeout,
+                          max_held_per_model=args.max_held, max_retries=args.retries, cooldown_s=args.cooldown,
+                          prefix_chars=args.prefix_chars)
+    asyncio.run(run_router(kubeconfig=args.kubeconfig, in_cluster=args.in_cluster, host=args.host, port=args.port,
+                           namespace=args.namespace, config=config, api_keys_secret=args.api_keys_secret,
+                           wake_lease=args.wake_lease, log_level=args.log_level))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""The router's Kubernetes side against the emulated API server (tidal_operator.dev):
+the watcher fills the registry (engine keys included), and the annotation lease makes two
+router replicas send a single wake_up between them."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import base64
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import httpx
+import pytest
+
+from tidal_operator import labels as L
+from tidal_operator.router import Registry
+from tidal_operator.router.metrics import RouterMetrics
+from tidal_operator.router.registry import KubernetesWatcher
+from tidal_operator.router.waker import WAKE_REQUESTED_BY, KubernetesWakeLease, Waker
+
+from router_upstreams import FakeEngine, llmservice, pod, serve_engines, wait_until
+
+k8s = pytest.importorskip("kubernetes_asyncio.client")
+k8s_config = pytest.importorskip("kubernetes_asyncio.config")
+dev = pytest.importorskip("tidal_operator.dev")
+
+CRDS = Path(__file__).resolve().parents[2] / "crds"
+
+
+@pytest.fixture
+async def api_client(tmp_path: Path) -> AsyncIterator[Any]:
+    handle = await dev.start_apiserver(crd_dir=CRDS)
+    path = dev.write_kubeconfig(tmp_path / "kubeconfig", handle.url)
+    configuration = k8s.Configuration()
+    await k8s_config.load_kube_config(config_file=str(path), client_configuration=configuration)
+    client = k8s.ApiClient(configuration)
+    try:
+        yield client
+    finally:
+        await client.close()
+        await handle.stop()
+
+
+async def _create_pod(core: Any, obj: dict[str, Any]) -> None:
+    status = obj.pop("status")
+    meta = obj["metadata"]
+    del meta["resourceVersion"]
+    obj["spec"]["containers"][0]["image"] = "test"
+    await core.create_namespaced_pod("default", obj)
+    await core.patch_namespaced_pod_status(meta["name"], "default", {"status": status},
+                                           _content_type="application/merge-patch+json")
+
+
+async def test_watcher_fills_the_registry_and_follows_changes(api_client: Any) -> None:
+    core, custom = k8s.CoreV1Api(api_client), k8s.CustomObjectsApi(api_client)
+    await core.create_namespaced_secret("default", {"metadata": {"name": "m-key"},
+                                                    "data": {"api-key": base64.b64encode(b"engine-key").decode()}})
+    body = llmservice("m", served_name="smol", adapters=("sql",), secret="m-key")
+    await custom.create_namespaced_custom_object(L.GROUP, L.VERSION, "default", L.PLURAL, body)
+    registry = Registry()
+    watcher = KubernetesWatcher(registry, api_client, watch_timeout_s=5)
+    await watcher.start()
+    try:
+        await asyncio.wait_for(watcher.synced.wait(), 10)
+        entry = registry.lookup("smol")
+        assert entry is not None and entry.adapters == frozenset({"sql"})
+        assert registry.engine_api_key(entry) == "engine-key"
+        assert registry.lookup("sql").llmservice == "m"
+
+        await _create_pod(core, pod("m-0", "m", 8123, ip="127.0.0.9"))
+        await wait_until(lambda: bool(registry.lookup("smol").routable()))
+        assert registry.lookup("smol").routable()[0].url == "http://127.0.0.9:8123"
+
+        await core.patch_namespaced_pod("m-0", "default", {"metadata": {"labels": {L.SLEEP_STATE: L.SLEEP_LEVEL_1}}},
+                                        _content_type="application/merge-patch+json")
+        await wait_until(lambda: bool(registry.lookup("smol").wakeable()))
+
+        await core.delete_namespaced_pod("m-0", "default", grace_period_seconds=0)
+        await wait_until(lambda: not registry.lookup("smol").replicas)
+        await custom.delete_namespaced_custom_object(L.GROUP, L.VERSION, "default", L.PLURAL, "m")
+        await wait_until(lambda: registry.lookup("smol") is None)
+    finally:
+        await watcher.stop()
+
+
+async def test_two_routers_send_one_wake_up_between_them(api_client: Any) -> None:
+    core = k8s.CoreV1Api(api_client)
+    wake_gate = asyncio.Event()
+    engine = FakeEngine("m-0", sleeping=True, wake_gate=wake_gate)
+    async with serve_engines(engine):
+        await _create_pod(core, pod("m-0", "m", engine.port, sleep_state=L.SLEEP_LEVEL_1))
+        current = api_client.sanitize_for_serialization(await core.read_namespaced_pod("m-0", "default"))
+        wakers = []
+        for holder in ("router-a", "router-b"):  # two router replicas, each with its own view
+            registry = Registry()
+            registry.apply_llmservice_event({"type": "ADDED", "object": llmservice("m")})
+            registry.apply_pod_event({"type": "ADDED", "object": current})
+            wakers.append(Waker(registry, httpx.AsyncClient(), RouterMetrics(),
+                                lease=KubernetesWakeLease(api_client, holder=holder), poll_interval_s=0.02))
+        tasks = [w.ensure_waking(w.registry.lookup("m")) for w in wakers]
+        assert all(t is not None for t in tasks)
+        await wait_until(lambda: engine.wake_calls == 1)
+        annotations = (await core.read_namespaced_pod("m-0", "default")).metadata.annotations
+        assert annotations[WAKE_REQUESTED_BY] in ("router-a", "router-b")
+        wake_gate.set()
+        assert await asyncio.gather(*tasks) == [True, True]
+        assert engine.wake_calls == 1
+        # The winner marked the Pod awake again and dropped the lease.
+        fresh = await core.read_namespaced_pod("m-0", "default")
+        assert fresh.metadata.labels[L.SLEEP_STATE] == L.SLEEP_AWAKE
+        assert WAKE_REQUESTED_BY not in (fresh.metadata.annotations or {})
+        for waker in wakers:
+            await waker.http.aclose()
+
+
+async def test_run_router_serves_what_the_cluster_holds(api_client: Any, tmp_path: Path) -> None:
+    from tidal_operator.router import RouterConfig, run_router
+
+    from router_upstreams import closed_port
+
+    custom = k8s.CustomObjectsApi(api_client)
+    await custom.create_namespaced_custom_object(L.GROUP, L.VERSION, "default", L.PLURAL, llmservice("m"))
+    kubeconfig = dev.write_kubeconfig(tmp_path / "router-kubeconfig", api_client.configuration.host)
+    port = closed_port()
+    ready = asyncio.Event()
+    task = asyncio.create_task(run_router(kubeconfig=str(kubeconfig), host="127.0.0.1", port=port,
+                                          config=RouterConfig(api_keys=("k",)), ready=ready, log_level="warning"))
+    try:
+        await asyncio.wait_for(ready.wait(), 10)
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}",
+                                     headers={"authorization": "Bearer k"}) as client:
+            assert (await client.get("/health")).status_code == 200
+
+            async def listed() -> list[str]:
+                return [m["id"] for m in (await client.get("/v1/models")).json()["data"]]
+
+            deadline = asyncio.get_running_loop().time() + 10
+            while await listed() != ["m"]:  # the watcher's first list lands asynchronously
+                assert asyncio.get_running_loop().time() < deadline
+                await asyncio.sleep(0.02)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
