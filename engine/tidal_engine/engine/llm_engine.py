@@ -1,0 +1,420 @@
+"""The synchronous engine: requests in, one scheduled forward per ``step()``, outputs back.
+
+``step()`` = schedule → run the model → sample → append tokens → detokenize →
+check stops → report. Everything that needs torch lives in the model runner;
+everything about batching lives in the scheduler.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from tidal_engine.config import EngineConfig
+from tidal_engine.core.kv_cache_manager import KVCacheManager
+from tidal_engine.core.request import Request, RequestStatus
+from tidal_engine.core.scheduler import Scheduler, SchedulerConfig
+from tidal_engine.models.loader import resolve_dtype, resolve_model
+from tidal_engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from tidal_engine.runner.detokenizer import IncrementalDetokenizer, decode_token
+from tidal_engine.runner.model_runner import ModelRunner
+from tidal_engine.runner.sampler import SamplingRow, make_generator
+from tidal_engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    max_num_running_seen: int
+
+
+@dataclass
+class _Sample:
+    """Engine-side state of one sample (a scheduler request) beyond what the scheduler keeps."""
+
+    request: Request
+    parent_id: str
+    index: int
+    detokenizer: IncrementalDetokenizer
+    generator: torch.Generator | None
+    logprobs: list[dict[int, Logprob]] | None
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class _Parent:
+    """A user request: ``n`` samples that share one prompt."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    cache_salt: str | None
+    metrics: RequestMetrics
+    samples: list[_Sample | None] = field(default_factory=list)
+    pending_fanout: bool = False  # samples 1..n-1 wait until sample 0 has filled the prefix cache
+
+    @property
+    def finished(self) -> bool:
+        return not self.pending_fanout and all(s is not None and s.finish_reason for s in self.samples)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = _resolve_device(config.device)
+        self.source = resolve_model(config.model)
+        arch = self.source.arch_config
+        self.dtype = resolve_dtype(arch.torch_dtype, config.dtype, self.device)
+        self.tokenizer = self.source.load_tokenizer()
+        self.model_name = config.served_model_name or config.model
+        self.max_model_len = config.max_model_len or arch.max_position_embeddings
+        if self.max_model_len > arch.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len ({self.max_model_len}) exceeds the model's context length "
+                f"({arch.max_position_embeddings})"
+            )
+        torch.manual_seed(config.seed)
+        self.runner = ModelRunner(config, self.source, self.device, self.dtype)
+        self.eos_token_ids = _eos_ids(arch.eos_token_id, self.tokenizer)
+        budget = config.max_num_batched_tokens or (
+            DEFAULT_MAX_NUM_BATCHED_TOKENS if config.enable_chunked_prefill else max(self.max_model_len, DEFAULT_MAX_NUM_BATCHED_TOKENS)
+        )
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks=self.runner.num_blocks,
+            block_size=config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=budget,
+                max_model_len=self.max_model_len,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+                block_size=config.block_size,
+            ),
+            self.kv_cache_manager,
+        )
+        self._parents: dict[str, _Parent] = {}
+        self._samples: dict[str, _Sample] = {}  # scheduler request id → sample
+        self._prompt_tokens_total = 0
+        self._generation_tokens_total = 0
+        self._max_running_seen = 0
+        self._sleep_level = 0
+        # Guards against concurrent sleep/wake/reset from different threads.
+        self._state_lock = threading.Lock()
+        logger.info(
+            "engine ready: model=%s device=%s dtype=%s kv_blocks=%d block_size=%d max_model_len=%d",
+            self.model_name, self.device, self.dtype, self.runner.num_blocks, config.block_size, self.max_model_len,
+        )
+
+    # ---- requests --------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        *,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        params = params or SamplingParams()
+        if self._sleep_level:
+            raise RuntimeError("the engine is sleeping; wake it up first")
+        if request_id in self._parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError("cache_salt must be a non-empty string")
+        prompt_text, token_ids = self._tokenize(prompt)
+        self._check_prompt(token_ids)
+        max_tokens = params.max_tokens
+        room = self.max_model_len - len(token_ids)
+        if max_tokens is None or max_tokens > room:
+            max_tokens = room  # the context is the hard limit; finish_reason "length" at it
+        params = params.clone(max_tokens=max_tokens, min_tokens=min(params.min_tokens, max_tokens))
+        parent = _Parent(
+            request_id=request_id,
+            prompt=prompt_text,
+            prompt_token_ids=token_ids,
+            params=params,
+            cache_salt=cache_salt,
+            metrics=RequestMetrics(arrival_time=arrival_time or time.time()),
+            samples=[None] * params.n,
+        )
+        self._parents[request_id] = parent
+        self._prompt_tokens_total += len(token_ids)
+        # With prefix caching, samples 1..n-1 start once sample 0's prompt blocks are cached,
+        # so they share them instead of computing the prompt n times.
+        share_prompt = params.n > 1 and self.config.enable_prefix_caching
+        parent.pending_fanout = share_prompt
+        for index in range(1 if share_prompt else params.n):
+            self._add_sample(parent, index)
+
+    def _add_sample(self, parent: _Parent, index: int) -> None:
+        params = parent.params
+        if parent.params.n > 1 and params.seed is not None:
+            params = params.clone(seed=params.seed + index)  # distinct but reproducible samples
+        sample_id = parent.request_id if parent.params.n == 1 else f"{parent.request_id}#{index}"
+        request = Request(
+            request_id=sample_id,
+            prompt_token_ids=list(parent.prompt_token_ids),
+            sampling_params=params,
+            arrival_time=parent.metrics.arrival_time,
+            cache_salt=parent.cache_salt,
+        )
+        sample = _Sample(
+            request=request,
+            parent_id=parent.request_id,
+            index=index,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, parent.prompt_token_ids, params),
+            generator=make_generator(params.seed, self.device) if params.seed is not None else None,
+            logprobs=[] if params.logprobs is not None else None,
+        )
+        parent.samples[index] = sample
+        self._samples[sample_id] = sample
+        self.scheduler.add_request(request)
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return None, list(prompt)
+        raise ValueError("prompt must be a string or a list of token ids")
+
+    def _check_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.source.arch_config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is out of the vocabulary (size {vocab})")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but the prompt has "
+                f"{len(token_ids)} tokens (at least one must be left to generate)"
+            )
+
+    def abort_request(self, request_id: str) -> None:
+        parent = self._parents.pop(request_id, None)
+        if parent is None:
+            return
+        for sample in parent.samples:
+            if sample is not None:
+                self.scheduler.abort_request(sample.request.request_id)
+                self._samples.pop(sample.request.request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._parents)
+
+    # ---- the step --------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        if self._sleep_level:
+            return []
+        output = self.scheduler.schedule()
+        if not output.chunks:
+            return []
+        now = time.time()
+        self._max_running_seen = max(self._max_running_seen, len(output.chunks))
+        for chunk in output.chunks:
+            parent = self._parents[self._samples[chunk.request.request_id].parent_id]
+            if parent.metrics.first_scheduled_time is None:
+                parent.metrics.first_scheduled_time = now
+        sampling_chunks = [c for c in output.chunks if c.samples]
+        rows = [self._sampling_row(self._samples[c.request.request_id]) for c in sampling_chunks]
+        sampled = self.runner.execute(output, rows)
+        tokens = {c.request.request_id: sampled.token_ids[i] for i, c in enumerate(sampling_chunks)} if sampled else {}
+        self.scheduler.update_from_output(output, tokens)
+
+        now = time.time()
+        touched: dict[str, _Parent] = {}
+        for i, chunk in enumerate(sampling_chunks):
+            sample = self._samples[chunk.request.request_id]
+            parent = self._parents[sample.parent_id]
+            touched[parent.request_id] = parent
+            assert sampled is not None
+            self._on_token(sample, sampled.token_ids[i], sampled.logprobs[i], sampled.sampled_logprob[i])
+            parent.metrics.first_token_time = parent.metrics.first_token_time or now
+            parent.metrics.last_token_time = now
+            if parent.pending_fanout:
+                parent.pending_fanout = False
+                for index in range(1, parent.params.n):
+                    self._add_sample(parent, index)
+        return [self._finish_output(parent, now) for parent in touched.values()]
+
+    def _sampling_row(self, sample: _Sample) -> SamplingRow:
+        req = sample.request
+        return SamplingRow(
+            params=req.sampling_params,
+            prompt_token_ids=req.prompt_token_ids,
+            output_token_ids=req.output_token_ids,
+            generator=sample.generator,
+            eos_token_ids=self.eos_token_ids,
+        )
+
+    def _on_token(self, sample: _Sample, token_id: int, logprobs: dict[int, Logprob] | None, logprob: float) -> None:
+        """Record one sampled token (already appended by the scheduler) and check every stop rule."""
+        self._generation_tokens_total += 1
+        req, params = sample.request, sample.request.sampling_params
+        sample.cumulative_logprob += logprob
+        if sample.logprobs is not None and logprobs is not None:
+            for tid, entry in logprobs.items():
+                entry.decoded_token = decode_token(self.tokenizer, tid)
+            sample.logprobs.append(logprobs)
+        past_min = req.num_output_tokens >= params.min_tokens
+        is_stop_token = past_min and token_id in params.stop_token_ids
+        is_eos = past_min and not params.ignore_eos and token_id in self.eos_token_ids
+        # The text of an ending EOS or stop token is not part of the answer (as in vLLM).
+        matched_stop = sample.detokenizer.add_token(token_id, stop_terminated=is_stop_token or is_eos)
+        if is_stop_token:
+            self._finish_sample(sample, "stop", token_id)
+        elif is_eos:
+            self._finish_sample(sample, "stop", None)
+        elif matched_stop is not None:
+            self._finish_sample(sample, "stop", matched_stop)
+        elif req.num_output_tokens >= (params.max_tokens or 0) or req.num_tokens >= self.max_model_len:
+            self._finish_sample(sample, "length", None)
+
+    def _finish_sample(self, sample: _Sample, reason: str, stop_reason: int | str | None) -> None:
+        sample.finish_reason = reason
+        sample.stop_reason = stop_reason
+        status = RequestStatus.FINISHED_LENGTH if reason == "length" else RequestStatus.FINISHED_STOPPED
+        self.scheduler.finish_request(sample.request.request_id, status)
+        self._samples.pop(sample.request.request_id, None)
+
+    def _finish_output(self, parent: _Parent, now: float) -> RequestOutput:
+        finished = parent.finished
+        if finished:
+            parent.metrics.finished_time = now
+            del self._parents[parent.request_id]
+        outputs = [self._completion(s, i) for i, s in enumerate(parent.samples)]
+        first = parent.samples[0]
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            outputs=outputs,
+            finished=finished,
+            num_cached_tokens=max(first.request.num_cached_tokens, 0) if first else 0,
+            metrics=parent.metrics,
+        )
+
+    @staticmethod
+    def _completion(sample: _Sample | None, index: int) -> CompletionOutput:
+        if sample is None:  # a fanned-out sample not started yet
+            return CompletionOutput(index=index, text="", token_ids=[])
+        return CompletionOutput(
+            index=index,
+            text=sample.detokenizer.safe_text(finished=sample.finish_reason is not None),
+            token_ids=list(sample.request.output_token_ids),
+            cumulative_logprob=sample.cumulative_logprob,
+            logprobs=sample.logprobs,
+            finish_reason=sample.finish_reason,
+            stop_reason=sample.stop_reason,
+        )
+
+    # ---- state and admin -------------------------------------------------------------
+    def get_stats(self) -> EngineStats:
+        stats = self.kv_cache_manager.prefix_cache_stats
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_cache_usage=self.kv_cache_manager.usage,
+            prefix_cache_queries=stats.queries,
+            prefix_cache_hits=stats.hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens_total=self._prompt_tokens_total,
+            generation_tokens_total=self._generation_tokens_total,
+            max_num_running_seen=self._max_running_seen,
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        with self._state_lock:
+            return self.kv_cache_manager.reset_prefix_cache()
+
+    def is_sleeping(self) -> bool:
+        return self._sleep_level > 0
+
+    @property
+    def sleep_level(self) -> int:
+        return self._sleep_level
+
+    def sleep(self, level: int = 1) -> None:
+        """Give the device memory back. Level 1 keeps the weights in host memory, level 2 drops them.
+        Callers drain or abort requests first; sleeping twice is a no-op."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        with self._state_lock:
+            if self.has_unfinished_requests():
+                raise RuntimeError("cannot sleep with requests in flight; drain or abort them first")
+            if self._sleep_level:
+                return
+            self.kv_cache_manager.reset_prefix_cache()  # its blocks are about to vanish
+            self.runner.release_kv_cache()
+            if level == 1:
+                self.runner.offload_weights()
+            else:
+                self.runner.discard_weights()
+            self._sleep_level = level
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore weights and/or the KV cache (``tags``: "weights", "kv_cache"; default both)."""
+        tags = tags or ["weights", "kv_cache"]
+        unknown = set(tags) - {"weights", "kv_cache"}
+        if unknown:
+            raise ValueError(f"unknown wake_up tags {sorted(unknown)}; use 'weights' and/or 'kv_cache'")
+        with self._state_lock:
+            if not self._sleep_level:
+                return
+            if "weights" in tags and self._weights_asleep():
+                if self._sleep_level == 1:
+                    self.runner.onload_weights()
+                else:
+                    self.runner.reload_weights()
+            if "kv_cache" in tags:
+                self.runner.restore_kv_cache()
+            if not self._weights_asleep() and self.runner.kv_caches:
+                self._sleep_level = 0
+
+    def _weights_asleep(self) -> bool:
+        first = next(self.runner.model.parameters())
+        return first.device != self.device or first.numel() == 0
+
+    def memory_usage(self) -> dict[str, int]:
+        return self.runner.memory_usage()
+
+
+def _resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for, but no CUDA device is available")
+    return torch.device(device)
+
+
+def _eos_ids(config_eos: int | list[int] | None, tokenizer: object) -> set[int]:
+    ids: set[int] = set()
+    if isinstance(config_eos, int):
+        ids.add(config_eos)
+    elif isinstance(config_eos, list):
+        ids.update(config_eos)
+    tok_eos = getattr(tokenizer, "eos_token_id", None)
+    if isinstance(tok_eos, int):
+        ids.add(tok_eos)
+    return ids

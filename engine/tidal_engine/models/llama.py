@@ -1,0 +1,207 @@
+"""One decoder-only model for Llama, Qwen2 and Qwen3.
+
+The three differ only in details the ArchConfig spells out: Qwen2 has q/k/v bias,
+Qwen3 normalises each head of q and k before rotary, and any of them may tie the LM
+head to the embedding.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from tidal_engine.layers.activation import SiluAndMul
+from tidal_engine.layers.attention import Attention, AttentionMetadata
+from tidal_engine.layers.linear import Linear, MergedLinear, QKVLinear, VocabEmbedding, copy_checked
+from tidal_engine.layers.norm import RMSNorm
+from tidal_engine.layers.rotary import RotaryEmbedding
+from tidal_engine.models.config import ArchConfig
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, config: ArchConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.qkv_proj = QKVLinear(
+            config.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim, bias=config.attention_bias
+        )
+        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.o_proj_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.rotary_emb = rotary  # one instance shared by every layer (same cos/sin cache)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, scale=self.head_dim**-0.5)
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        if self.q_norm is not None and self.k_norm is not None:
+            num_tokens = hidden.shape[0]
+            q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim)).reshape(num_tokens, -1)
+            k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim)).reshape(num_tokens, -1)
+        q, k = self.rotary_emb(positions, q.contiguous(), k.contiguous())
+        out = self.attn(q, k, v.contiguous(), kv_cache, meta)
+        return self.o_proj(out)
+
+
+class DecoderMLP(nn.Module):
+    def __init__(self, config: ArchConfig) -> None:
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = MergedLinear(config.hidden_size, {"gate": size, "up": size}, bias=config.mlp_bias)
+        self.down_proj = Linear(size, config.hidden_size, bias=config.mlp_bias)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ArchConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = DecoderAttention(config, rotary)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = DecoderMLP(config)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # The residual stream is carried separately so each norm can fuse the add.
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+# HF checkpoint names of the tensors we store merged: hf sub-module → (our module, shard).
+_MERGED_SHARDS: dict[str, tuple[str, str]] = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", "q"),
+    "self_attn.k_proj": ("self_attn.qkv_proj", "k"),
+    "self_attn.v_proj": ("self_attn.qkv_proj", "v"),
+    "mlp.gate_proj": ("mlp.gate_up_proj", "gate"),
+    "mlp.up_proj": ("mlp.gate_up_proj", "up"),
+}
+_LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ArchConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.rotary_emb = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        )
+        self.layers = nn.ModuleList(DecoderLayer(config, self.rotary_emb) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids/positions ``[T]`` → final-normed hidden states ``[T, hidden_size]``."""
+        hidden = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden_size]`` → ``[N, vocab_size]`` float32 logits."""
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named checkpoint tensors into the model (merging q/k/v and gate/up).
+
+        Raises ValueError for an unknown, mis-shaped or missing tensor.
+        """
+        expected = self._expected_checkpoint_names()
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue  # old checkpoints save the rotary buffer; we compute our own
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue  # tied: the embedding is the head
+            if name not in expected:
+                raise ValueError(f"unexpected tensor in checkpoint: {name} {tuple(tensor.shape)}")
+            try:
+                self._load_one(name, tensor)
+            except ValueError as exc:
+                raise ValueError(f"cannot load {name}: {exc}") from None
+            loaded.add(name)
+        missing = sorted(expected - loaded)
+        if missing:
+            shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+            raise ValueError(f"checkpoint is missing {len(missing)} tensor(s): {shown}")
+
+    def _load_one(self, name: str, tensor: torch.Tensor) -> None:
+        if name == "model.embed_tokens.weight":
+            self.embed_tokens.load("weight", tensor)
+        elif name == "model.norm.weight":
+            copy_checked(self.norm.weight, tensor, "weight")
+        elif name == "lm_head.weight":
+            self.lm_head.load("weight", tensor)
+        else:
+            match = _LAYER_NAME.match(name)
+            assert match is not None  # guaranteed: name is one of _expected_checkpoint_names
+            layer = self.layers[int(match.group(1))]
+            module_name, param_name = match.group(2), match.group(3)
+            if module_name in _MERGED_SHARDS:
+                merged_name, shard = _MERGED_SHARDS[module_name]
+                layer.get_submodule(merged_name).load_shard(shard, param_name, tensor)
+            elif module_name.endswith("norm"):
+                copy_checked(getattr(layer.get_submodule(module_name), param_name), tensor, param_name)
+            else:
+                layer.get_submodule(module_name).load(param_name, tensor)
+
+    def _expected_checkpoint_names(self) -> set[str]:
+        """The HF names a complete checkpoint for this config must contain."""
+        cfg = self.config
+        names = {"model.embed_tokens.weight", "model.norm.weight"}
+        if not cfg.tie_word_embeddings:
+            names.add("lm_head.weight")
+        per_layer = [
+            "input_layernorm.weight",
+            "post_attention_layernorm.weight",
+            "self_attn.q_proj.weight",
+            "self_attn.k_proj.weight",
+            "self_attn.v_proj.weight",
+            "self_attn.o_proj.weight",
+            "mlp.gate_proj.weight",
+            "mlp.up_proj.weight",
+            "mlp.down_proj.weight",
+        ]
+        if cfg.attention_bias:
+            per_layer += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
+        if cfg.o_proj_bias:
+            per_layer.append("self_attn.o_proj.bias")
+        if cfg.mlp_bias:
+            per_layer += ["mlp.gate_proj.bias", "mlp.up_proj.bias", "mlp.down_proj.bias"]
+        if cfg.qk_norm:
+            per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+        for i in range(cfg.num_hidden_layers):
+            names.update(f"model.layers.{i}.{suffix}" for suffix in per_layer)
+        return names
+

