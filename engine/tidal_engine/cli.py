@@ -1,0 +1,276 @@
+"""`tidal-engine`: `serve` runs the OpenAI-compatible server, `generate` runs one prompt offline.
+
+Flags carry vLLM's names. Features Tidal does not have (tensor parallelism, quantization,
+LoRA, ...) are accepted only with the value that means "off", so a vLLM command line that
+relies on them fails loudly instead of silently serving something else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from tidal_engine import __version__
+
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = _positive_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"port must be <= 65535, got {value}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _bytes(text: str) -> int:
+    """An integer byte count, optionally with a K/M/G/Ki/Mi/Gi suffix (vLLM accepts '4G')."""
+    units = {"k": 10**3, "m": 10**6, "g": 10**9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
+    lowered = text.strip().lower().removesuffix("b")
+    for suffix in sorted(units, key=len, reverse=True):
+        if lowered.endswith(suffix):
+            try:
+                value = int(float(lowered[: -len(suffix)]) * units[suffix])
+            except ValueError:
+                break
+            return _positive_int(str(value))
+    return _positive_int(lowered)
+
+
+DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp16", "fp32")
+
+
+def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Engine flags shared by `serve` and `generate` (EngineConfig's fields)."""
+    model = parser.add_argument_group("model")
+    model.add_argument("--tokenizer", default=None, help="tokenizer path (default: the model's)")
+    model.add_argument("--dtype", default="auto", choices=DTYPES, help="weight and activation dtype")
+    model.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    model.add_argument("--seed", type=int, default=0, help="random seed for sampling")
+    model.add_argument("--max-model-len", type=_positive_int, default=None,
+                       help="context length (default: the model's)")
+    model.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
+
+    sched = parser.add_argument_group("scheduler and KV cache")
+    sched.add_argument("--max-num-seqs", type=_positive_int, default=256, help="most requests in one batch")
+    sched.add_argument("--max-num-batched-tokens", type=_positive_int, default=None,
+                       help="token budget of one step")
+    sched.add_argument("--block-size", type=int, default=16, choices=(1, 2, 4, 8, 16, 32, 64, 128),
+                       help="tokens per KV block")
+    sched.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9,
+                       help="fraction of device memory the engine may use")
+    sched.add_argument("--kv-cache-memory-bytes", type=_bytes, default=None,
+                       help="explicit KV-cache budget, e.g. 2G (overrides --gpu-memory-utilization)")
+    sched.add_argument("--num-gpu-blocks-override", type=_positive_int, default=None,
+                       help="exact number of KV blocks")
+    sched.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                       help="reuse KV blocks of shared prompt prefixes")
+    sched.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                       help="split long prompts across steps")
+    sched.add_argument("--enable-sleep-mode", action="store_true",
+                       help="allow /sleep and /wake_up (free device memory on demand)")
+
+    unsupported = parser.add_argument_group(
+        "vLLM features Tidal does not have", "accepted only with the value that turns them off"
+    )
+    unsupported.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="must be 1")
+    unsupported.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="must be 1")
+    unsupported.add_argument("--quantization", "-q", default=None, help="must be unset or 'none'")
+    unsupported.add_argument("--kv-cache-dtype", default="auto", help="must be 'auto'")
+    unsupported.add_argument("--enable-lora", action="store_true", help="not supported yet")
+    unsupported.add_argument("--max-loras", type=int, default=None, help="needs --enable-lora")
+    unsupported.add_argument("--max-lora-rank", type=int, default=None, help="needs --enable-lora")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tidal-engine", description="Tidal's vLLM-compatible inference engine.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{serve,generate}")
+
+    serve = commands.add_parser(
+        "serve", help="run the OpenAI-compatible HTTP server",
+        description="Run the OpenAI-compatible HTTP server (vLLM's flag names).",
+    )
+    serve.set_defaults(subparser=serve)  # errors then print this command's usage
+    serve.add_argument("model", help="HF folder, .gguf file, or an alias such as smollm2-135m")
+    http = serve.add_argument_group("HTTP server")
+    http.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all)")
+    http.add_argument("--port", type=_port, default=8000)
+    http.add_argument("--served-model-name", nargs="+", default=None,
+                      help="name(s) clients use in `model` (default: the model argument)")
+    http.add_argument("--max-request-body-bytes", type=_bytes, default=DEFAULT_MAX_BODY_BYTES,
+                      help="larger bodies get 413")
+    http.add_argument("--shutdown-timeout", type=_non_negative_float, default=30.0,
+                      help="seconds SIGTERM waits for in-flight requests before aborting them")
+    security = serve.add_argument_group("security")
+    security.add_argument("--api-key", default=None,
+                          help="require 'Authorization: Bearer KEY' on every path but /health and /ping "
+                               "(default: $TIDAL_API_KEY)")
+    security.add_argument("--allowed-origins", nargs="*", default=[],
+                          help="CORS origins to allow (default: none)")
+    security.add_argument("--no-protect-metrics", dest="protect_metrics", action="store_false",
+                          help="serve /metrics without the API key")
+    logs = serve.add_argument_group("logging")
+    logs.add_argument("--disable-log-requests", action="store_true", help="no per-request log line")
+    logs.add_argument("--log-prompts", action="store_true", help="include prompts in the request log line")
+    _add_engine_args(serve)
+
+    generate = commands.add_parser(
+        "generate", help="generate once, offline, with tidal_engine.LLM",
+        description="Load the model, generate for one prompt or chat message, print the text.",
+    )
+    generate.set_defaults(subparser=generate)
+    generate.add_argument("--model", required=True, help="HF folder, .gguf file, or alias")
+    what = generate.add_argument_group("input (one of)").add_mutually_exclusive_group(required=True)
+    what.add_argument("--prompt", help="raw text prompt")
+    what.add_argument("--chat", help="a user message, rendered with the chat template")
+    sampling = generate.add_argument_group("sampling")
+    sampling.add_argument("--system", default=None, help="system message for --chat")
+    sampling.add_argument("--max-tokens", type=_positive_int, default=64)
+    sampling.add_argument("--temperature", type=_non_negative_float, default=0.0)
+    sampling.add_argument("--top-p", type=_fraction, default=1.0)
+    sampling.add_argument("--top-k", type=int, default=0)
+    sampling.add_argument("--n", type=_positive_int, default=1)
+    _add_engine_args(generate)
+    return parser
+
+
+def check_unsupported(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse vLLM features Tidal lacks instead of silently ignoring them."""
+    problems: list[str] = []
+    if args.tensor_parallel_size != 1:
+        problems.append(f"--tensor-parallel-size {args.tensor_parallel_size} (Tidal runs on one device: use 1)")
+    if args.pipeline_parallel_size != 1:
+        problems.append(f"--pipeline-parallel-size {args.pipeline_parallel_size} (use 1)")
+    if args.quantization not in (None, "none", "None"):
+        problems.append(f"--quantization {args.quantization} (no quantized kernels yet)")
+    if args.kv_cache_dtype != "auto":
+        problems.append(f"--kv-cache-dtype {args.kv_cache_dtype} (only 'auto')")
+    if args.enable_lora or args.max_loras is not None or args.max_lora_rank is not None:
+        problems.append("--enable-lora/--max-loras/--max-lora-rank (LoRA is not supported yet)")
+    if problems:
+        parser.error("unsupported option(s): " + "; ".join(problems))
+
+
+def engine_config(parser: argparse.ArgumentParser, args: argparse.Namespace, model: str,
+                  served_name: str | None) -> Any:
+    from tidal_engine.config import EngineConfig
+
+    try:
+        return EngineConfig(
+            model=model,
+            tokenizer=args.tokenizer,
+            served_model_name=served_name,
+            dtype=args.dtype,
+            device=args.device,
+            seed=args.seed,
+            max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            block_size=args.block_size,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+            num_gpu_blocks_override=args.num_gpu_blocks_override,
+            enable_prefix_caching=args.enable_prefix_caching,
+            enable_chunked_prefill=args.enable_chunked_prefill,
+            enforce_eager=args.enforce_eager,
+            enable_sleep_mode=args.enable_sleep_mode,
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
+def serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from tidal_engine.engine.async_engine import AsyncLLMEngine
+    from tidal_engine.server.app import ServerSettings, run_server
+
+    api_key = args.api_key or os.environ.get("TIDAL_API_KEY") or None
+    names = args.served_model_name or [args.model]
+    config = engine_config(parser, args, args.model, names[0])
+    logging.getLogger(__name__).info("loading %s", args.model)
+    engine = AsyncLLMEngine.from_config(config)
+    settings = ServerSettings(
+        host=args.host,
+        port=args.port,
+        served_model_names=names,
+        model_source=args.model,
+        api_key=api_key,
+        allowed_origins=list(args.allowed_origins),
+        protect_metrics=args.protect_metrics,
+        max_request_body_bytes=args.max_request_body_bytes,
+        log_requests=not args.disable_log_requests,
+        log_prompts=args.log_prompts,
+        shutdown_timeout_s=args.shutdown_timeout,
+    )
+    run_server(engine, settings)
+    return 0
+
+
+def generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from tidal_engine import LLM, SamplingParams
+
+    config = engine_config(parser, args, args.model, None)
+    options = {k: v for k, v in asdict(config).items() if k != "model"}
+    llm = LLM(args.model, **options)
+    params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_tokens, seed=args.seed)
+    if args.chat is not None:
+        messages = ([{"role": "system", "content": args.system}] if args.system else [])
+        messages.append({"role": "user", "content": args.chat})
+        outputs = llm.chat(messages, params)
+    else:
+        outputs = llm.generate(args.prompt, params)
+    for output in outputs:
+        for completion in output.outputs:
+            print(completion.text)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    subparser: argparse.ArgumentParser = args.subparser
+    check_unsupported(subparser, args)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "serve":
+        return serve(subparser, args)
+    return generate(subparser, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,175 @@
+"""The FastAPI application: routes, middleware, lifespan, and the uvicorn runner."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import threading
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response
+
+from tidal_engine import __version__
+from tidal_engine.engine.async_engine import AsyncLLMEngine
+from tidal_engine.server.admin import build_admin_router
+from tidal_engine.server.auth import APIKeyMiddleware
+from tidal_engine.server.errors import ENGINE_UNAVAILABLE, bad_request, error_response, install_error_handlers
+from tidal_engine.server.metrics import CONTENT_TYPE, ServerMetrics
+from tidal_engine.server.request_log import RequestLogger
+from tidal_engine.server.serving import OpenAIServing, ServingSettings, read_json_body
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ServerSettings:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_names: list[str] = field(default_factory=list)  # empty: the engine's model_name
+    model_source: str = ""
+    api_key: str | None = None
+    allowed_origins: list[str] = field(default_factory=list)
+    protect_metrics: bool = True
+    max_request_body_bytes: int = 8 * 1024 * 1024
+    log_requests: bool = True
+    log_prompts: bool = False
+    shutdown_timeout_s: float = 30.0
+
+
+def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
+    """An app around `engine`. The lifespan starts the engine loop and drains it on shutdown."""
+    names = settings.served_model_names or [engine.model_name]
+    serving = OpenAIServing(
+        engine,
+        ServingSettings(names, settings.model_source or names[0], settings.max_request_body_bytes),
+    )
+    metrics = ServerMetrics(engine, names[0], engine.max_model_len)
+    if settings.log_requests:
+        engine.add_finished_listener(RequestLogger(log_prompts=settings.log_prompts))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        yield
+        await engine.shutdown(settings.shutdown_timeout_s)
+
+    app = FastAPI(title="Tidal engine", version=__version__, lifespan=lifespan)
+    app.state.engine = engine
+    app.state.serving = serving
+    app.state.metrics = metrics
+    install_error_handlers(app)
+    limit = settings.max_request_body_bytes
+
+    # Middleware added last runs first: CORS must see preflights before auth refuses them.
+    if settings.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key, protect_metrics=settings.protect_metrics)
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=list(settings.allowed_origins),  # empty: no origin is allowed
+        allow_methods=["*"],
+        allow_headers=["*"],
+    )
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.is_healthy:
+            return error_response(503, "The engine loop has stopped.", ENGINE_UNAVAILABLE)
+        return Response(status_code=200)
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        return await health()
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": __version__})
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def list_models() -> JSONResponse:
+        return JSONResponse(serving.list_models().model_dump())
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await serving.create_completion(await read_json_body(request, limit), request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await serving.create_chat_completion(await read_json_body(request, limit), request)
+
+    @app.post("/invocations")
+    async def invocations(request: Request) -> Response:
+        # SageMaker's single entry point: the body's shape says which API it is.
+        data = await read_json_body(request, limit)
+        if "messages" in data:
+            return await serving.create_chat_completion(data, request)
+        if "prompt" in data:
+            return await serving.create_completion(data, request)
+        raise bad_request("An /invocations body needs `messages` (chat) or `prompt` (completions).")
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> JSONResponse:
+        return JSONResponse((await serving.tokenize(await read_json_body(request, limit))).model_dump())
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> JSONResponse:
+        return JSONResponse((await serving.detokenize(await read_json_body(request, limit))).model_dump())
+
+    app.include_router(build_admin_router())
+    return app
+
+
+def curl_hint(host: str, port: int, model_name: str, with_key: bool) -> str:
+    """The copy-paste line printed at start-up (never contains the key itself)."""
+    shown_host = "localhost" if host in ("0.0.0.0", "::", "") else host
+    auth = ' -H "Authorization: Bearer $TIDAL_API_KEY"' if with_key else ""
+    body = f'{{"model": "{model_name}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 32}}'
+    return (
+        f"curl -s http://{shown_host}:{port}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
+        f"-d '{body}'"
+    )
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn, minus re-raising SIGTERM after the graceful drain (which would make a clean
+    shutdown look like a kill: exit status -15 instead of 0)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield  # signals can only be handled in the main thread
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def run_server(engine: AsyncLLMEngine, settings: ServerSettings) -> None:
+    """Serve until SIGINT/SIGTERM; then stop accepting, drain up to the timeout, and exit."""
+    app = build_app(engine, settings)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level="info",
+        access_log=False,  # the request log line replaces it (and never shows headers)
+        timeout_graceful_shutdown=max(1, int(settings.shutdown_timeout_s)),
+        lifespan="on",
+    )
+    server = _DrainingServer(config)
+    names = settings.served_model_names or [engine.model_name]
+    logger.info("starting the server for %s on http://%s:%d", names[0], settings.host, settings.port)
+    logger.info("try: %s", curl_hint(settings.host, settings.port, names[0], bool(settings.api_key)))
+    asyncio.run(server.serve())

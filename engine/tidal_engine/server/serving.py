@@ -1,0 +1,674 @@
+"""The OpenAI endpoints' logic: parse, validate, run through the engine, shape the answer.
+
+Bodies are read by `read_json_body` (size limit, UTF-8, JSON) and validated with the
+pydantic models in protocol.py, so every bad input becomes a 4xx before the engine sees it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import anyio
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.types import Receive, Scope, Send
+
+from tidal_engine.engine.async_engine import (
+    AsyncLLMEngine,
+    EngineDeadError,
+    EngineShuttingDownError,
+    EngineSleepingError,
+)
+from tidal_engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from tidal_engine.sampling_params import SamplingParams
+from tidal_engine.server.errors import (
+    ENGINE_UNAVAILABLE,
+    NOT_FOUND,
+    REQUEST_TOO_LARGE,
+    APIError,
+    bad_request,
+    engine_sleeping_error,
+    error_body,
+    validation_error_to_api_error,
+)
+from tidal_engine.server.protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatMessage,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+    TokenLogprob,
+    TopLogprob,
+    UsageInfo,
+    SamplingFields,
+)
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
+T = TypeVar("T")
+
+
+# ---------------------------------------------------------------------- body parsing
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+async def read_json_body(request: Request, limit: int) -> dict[str, Any]:
+    """The body as a JSON object, enforcing the size limit on the header and on the bytes."""
+    too_large = APIError(413, f"Request body exceeds the limit of {limit} bytes.", REQUEST_TOO_LARGE)
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            if int(declared) > limit:
+                raise too_large
+        except ValueError:
+            raise bad_request("Invalid Content-Length header.") from None
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:  # a chunked body has no Content-Length: count what arrives
+            raise too_large
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    if not raw.strip():
+        raise bad_request("The request body is empty; send a JSON object.")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise bad_request(f"The request body is not valid UTF-8 (byte {exc.start}).") from None
+    try:
+        data = json.loads(text, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as exc:
+        raise bad_request(f"Malformed JSON in the request body: {exc}") from None
+    if not isinstance(data, dict):
+        raise bad_request("The request body must be a JSON object.")
+    return data
+
+
+def parse_model(model_cls: type[ModelT], data: dict[str, Any]) -> ModelT:
+    try:
+        return model_cls.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error_to_api_error(exc) from None
+
+
+# ---------------------------------------------------------------------- disconnects
+
+
+async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Run `work`, cancelling it if the client goes away (its generator then aborts the request)."""
+    task = asyncio.ensure_future(work)
+
+    async def wait_disconnect() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(wait_disconnect())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        # Nobody reads this answer; 499 is nginx's "client closed request".
+        raise APIError(499, "Client disconnected.", "client_disconnected")
+    return task.result()
+
+
+class EngineStreamingResponse(StreamingResponse):
+    """A streaming response that stops (and so aborts the request) as soon as the client leaves.
+
+    Starlette only notices a disconnect on the next write with ASGI 2.4 servers; watching
+    `receive` as well frees the KV blocks without waiting for another token.
+    """
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as group:
+
+                async def stream() -> None:
+                    try:
+                        await self.stream_response(send)
+                    except OSError:
+                        pass  # the client went away mid-write
+                    group.cancel_scope.cancel()
+
+                async def watch() -> None:
+                    await self.listen_for_disconnect(receive)
+                    group.cancel_scope.cancel()
+
+                group.start_soon(stream)
+                group.start_soon(watch)
+        finally:
+            close = getattr(self.body_iterator, "aclose", None)
+            if close is not None:
+                await close()
+
+
+def sse(payload: BaseModel | dict[str, Any]) -> str:
+    if isinstance(payload, BaseModel):
+        return f"data: {payload.model_dump_json(exclude_none=False)}\n\n"
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+async def _merge(iterators: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """Interleave several async iterators, tagging each item with its iterator's index."""
+    if len(iterators) == 1:
+        async for item in iterators[0]:
+            yield 0, item
+        return
+    queue: asyncio.Queue[tuple[int, T] | tuple[int, BaseException] | None] = asyncio.Queue()
+
+    async def pump(i: int, it: AsyncIterator[T]) -> None:
+        try:
+            async for item in it:
+                await queue.put((i, item))
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the consumer
+            await queue.put((i, exc))
+        finally:
+            await queue.put(None)
+
+    tasks = [asyncio.ensure_future(pump(i, it)) for i, it in enumerate(iterators)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            entry = await queue.get()
+            if entry is None:
+                remaining -= 1
+                continue
+            i, item = entry
+            if isinstance(item, BaseException):
+                raise item
+            yield i, item  # type: ignore[misc]
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+# ---------------------------------------------------------------------- the service
+
+
+@dataclass
+class ServingSettings:
+    served_model_names: list[str]
+    model_source: str
+    max_request_body_bytes: int = 8 * 1024 * 1024
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLMEngine, settings: ServingSettings) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.model_name = settings.served_model_names[0]
+        self.vocab_size = len(self.tokenizer)
+
+    # -------------------------------------------------------------- shared checks
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.settings.served_model_names:
+            raise APIError(404, f"The model `{model}` does not exist.", NOT_FOUND, "model")
+
+    def check_supported(self, request: SamplingFields) -> None:
+        unsupported = request.unsupported_fields()
+        if unsupported:
+            raise bad_request(f"Not supported by Tidal yet: {', '.join(unsupported)}.", unsupported[0].split()[0])
+
+    def check_token_ids(self, token_ids: list[int], param: str) -> None:
+        # An id past the vocabulary would crash the embedding lookup inside the engine loop.
+        for token_id in token_ids:
+            if token_id >= self.vocab_size:
+                raise bad_request(f"Token id {token_id} is outside the vocabulary (size {self.vocab_size}).", param)
+
+    def check_prompt_length(self, num_tokens: int, param: str) -> None:
+        if num_tokens >= self.max_model_len:
+            raise bad_request(
+                f"This model's maximum context length is {self.max_model_len} tokens, "
+                f"but the prompt has {num_tokens} tokens (at most {self.max_model_len - 1} leave room "
+                "for one generated token). Please shorten the prompt.",
+                param,
+            )
+
+    def sampling_params(self, request: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        try:
+            return SamplingParams(
+                n=request.n,
+                temperature=1.0 if request.temperature is None else request.temperature,
+                top_p=1.0 if request.top_p is None else request.top_p,
+                top_k=0 if request.top_k is None else request.top_k,
+                min_p=0.0 if request.min_p is None else request.min_p,
+                presence_penalty=request.presence_penalty or 0.0,
+                frequency_penalty=request.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
+                seed=request.seed,
+                stop=request.stop,
+                stop_token_ids=list(request.stop_token_ids or []),
+                ignore_eos=request.ignore_eos,
+                max_tokens=max_tokens,
+                min_tokens=request.min_tokens,
+                logprobs=logprobs,
+                skip_special_tokens=request.skip_special_tokens,
+                include_stop_str_in_output=request.include_stop_str_in_output,
+            )
+        except ValueError as exc:
+            raise bad_request(str(exc)) from None
+
+    async def submit(
+        self, base_id: str, prompts: list[str | list[int]], params: SamplingParams, cache_salt: str | None
+    ) -> list[Any]:
+        """Add one engine request per prompt; all or none (earlier ones are aborted on failure)."""
+        streams: list[Any] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                request_id = base_id if len(prompts) == 1 else f"{base_id}-{i}"
+                streams.append(await self.engine.add_request(request_id, prompt, params, cache_salt=cache_salt))
+        except BaseException as exc:
+            for stream in streams:
+                self.engine.abort(stream.request_id)
+            raise _engine_error(exc) from exc
+        return streams
+
+    async def final_outputs(self, streams: list[Any]) -> list[RequestOutput]:
+        async def last(stream: Any) -> RequestOutput:
+            result: RequestOutput | None = None
+            async for output in self.engine.iterate(stream):
+                result = output
+            assert result is not None
+            return result
+
+        try:
+            return list(await asyncio.gather(*(last(s) for s in streams)))
+        except (EngineDeadError, EngineSleepingError, EngineShuttingDownError) as exc:
+            raise _engine_error(exc) from exc
+
+    def decode_token(self, token_id: int, logprob: Any) -> str:
+        text = getattr(logprob, "decoded_token", None)
+        if text is None:
+            text = self.tokenizer.decode([token_id])
+        return text
+
+    def _top(self, position: PositionLogprobs, k: int) -> list[tuple[int, Any]]:
+        ranked = sorted(position.items(), key=lambda kv: (kv[1].rank or 10**9, -kv[1].logprob))
+        return ranked[:k]
+
+    # -------------------------------------------------------------- models
+
+    def list_models(self) -> ModelList:
+        return ModelList(
+            data=[
+                ModelCard(id=name, root=self.settings.model_source, max_model_len=self.max_model_len)
+                for name in self.settings.served_model_names
+            ]
+        )
+
+    # -------------------------------------------------------------- completions
+
+    async def create_completion(self, data: dict[str, Any], raw: Request) -> Response:
+        request = parse_model(CompletionRequest, data)
+        self.check_model(request.model)
+        self.check_supported(request)
+        prompts = self._completion_prompts(request.prompt)
+        params = self.sampling_params(request, request.max_tokens, request.logprobs)
+        base_id = f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        streams = await self.submit(base_id, prompts, params, request.cache_salt)
+        if request.stream:
+            return EngineStreamingResponse(
+                self._completion_stream(request, streams, base_id, created), media_type="text/event-stream"
+            )
+        outputs = await cancel_on_disconnect(raw, self.final_outputs(streams))
+        choices: list[CompletionChoice] = []
+        for prompt_idx, output in enumerate(outputs):
+            prompt_text = self._prompt_text(output, prompts[prompt_idx]) if request.echo else ""
+            for completion in output.outputs:
+                choices.append(
+                    CompletionChoice(
+                        index=prompt_idx * request.n + completion.index,
+                        text=prompt_text + completion.text,
+                        logprobs=self._completion_logprobs(completion, 0, len(completion.token_ids),
+                                                           request.logprobs, 0),
+                        finish_reason=completion.finish_reason,
+                        stop_reason=completion.stop_reason,
+                    )
+                )
+        return JSONResponse(
+            CompletionResponse(
+                id=base_id, created=created, model=self.model_name, choices=choices, usage=_usage(outputs)
+            ).model_dump()
+        )
+
+    def _completion_prompts(self, prompt: Any) -> list[str | list[int]]:
+        if isinstance(prompt, str):
+            prompts: list[str | list[int]] = [prompt]
+        elif prompt and isinstance(prompt[0], int):
+            prompts = [list(prompt)]
+        else:
+            prompts = list(prompt)
+        for p in prompts:
+            if isinstance(p, list):
+                self.check_token_ids(p, "prompt")
+                self.check_prompt_length(len(p), "prompt")
+        return prompts
+
+    def _prompt_text(self, output: RequestOutput, prompt: str | list[int]) -> str:
+        if isinstance(prompt, str):
+            return prompt
+        return self.tokenizer.decode(output.prompt_token_ids or prompt)
+
+    def _completion_logprobs(
+        self, completion: CompletionOutput, start: int, end: int, k: int | None, text_offset: int
+    ) -> CompletionLogprobs | None:
+        if k is None or completion.logprobs is None:
+            return None
+        result = CompletionLogprobs()
+        end = min(end, len(completion.logprobs), len(completion.token_ids))
+        offset = text_offset
+        for pos in range(start, end):
+            token_id = completion.token_ids[pos]
+            position = completion.logprobs[pos]
+            sampled = position.get(token_id)
+            token = self.decode_token(token_id, sampled)
+            result.tokens.append(token)
+            result.token_logprobs.append(None if sampled is None else sampled.logprob)
+            result.top_logprobs.append(
+                {self.decode_token(tid, lp): lp.logprob for tid, lp in self._top(position, k)} if k else {}
+            )
+            result.text_offset.append(offset)
+            offset += len(token)
+        return result
+
+    async def _completion_stream(
+        self, request: CompletionRequest, streams: list[Any], base_id: str, created: int
+    ) -> AsyncIterator[str]:
+        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        continuous = bool(request.stream_options and request.stream_options.continuous_usage_stats)
+        sent_text: dict[int, int] = {}
+        sent_tokens: dict[int, int] = {}
+        echoed: set[int] = set()
+        done: set[int] = set()
+        finals: dict[int, RequestOutput] = {}
+        try:
+            async for prompt_idx, output in _merge([self.engine.iterate(s) for s in streams]):
+                if output.finished:
+                    finals[prompt_idx] = output
+                for completion in output.outputs:
+                    index = prompt_idx * request.n + completion.index
+                    if index in done:
+                        continue  # with n > 1, finished choices keep appearing in later outputs
+                    delta = completion.text[sent_text.get(index, 0):]
+                    if not delta and not completion.finished and not (request.echo and index not in echoed):
+                        continue
+                    if completion.finished:
+                        done.add(index)
+                    prefix = ""
+                    if request.echo and index not in echoed:
+                        prefix = self._prompt_text(output, streams[prompt_idx].prompt)
+                        echoed.add(index)
+                    start = sent_tokens.get(index, 0)
+                    logprobs = self._completion_logprobs(
+                        completion, start, len(completion.token_ids), request.logprobs, sent_text.get(index, 0)
+                    )
+                    sent_text[index] = len(completion.text)
+                    sent_tokens[index] = len(completion.token_ids)
+                    chunk = CompletionChunk(
+                        id=base_id,
+                        created=created,
+                        model=self.model_name,
+                        choices=[
+                            CompletionChoice(
+                                index=index,
+                                text=prefix + delta,
+                                logprobs=logprobs,
+                                finish_reason=completion.finish_reason,
+                                stop_reason=completion.stop_reason,
+                            )
+                        ],
+                        usage=_usage([output]) if continuous else None,
+                    )
+                    yield sse(chunk)
+            if include_usage:
+                usage = _usage([finals[i] for i in sorted(finals)])
+                yield sse(CompletionChunk(id=base_id, created=created, model=self.model_name, choices=[], usage=usage))
+        except (EngineDeadError, EngineSleepingError, EngineShuttingDownError) as exc:
+            err = _engine_error(exc)
+            yield sse(error_body(err.status_code, err.message, err.err_type))
+        yield SSE_DONE
+
+    # -------------------------------------------------------------- chat
+
+    async def render_chat(
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+        template_kwargs: dict[str, Any] | None,
+    ) -> str:
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise bad_request("This model has no chat template; use /v1/completions instead.")
+        conversation = [m.for_template() for m in messages]
+
+        def render() -> str:
+            return self.tokenizer.apply_chat_template(
+                conversation,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                **(template_kwargs or {}),
+            )
+
+        try:
+            text = await asyncio.to_thread(render)
+        except Exception as exc:  # jinja raises for conversations the template forbids
+            raise bad_request(f"The chat template rejected the messages: {exc}", "messages") from None
+        if not isinstance(text, str):
+            raise bad_request("The chat template did not render to text.", "messages")
+        return text
+
+    async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
+
+    async def create_chat_completion(self, data: dict[str, Any], raw: Request) -> Response:
+        request = parse_model(ChatCompletionRequest, data)
+        self.check_model(request.model)
+        self.check_supported(request)
+        text = await self.render_chat(
+            request.messages, request.add_generation_prompt, request.continue_final_message,
+            request.chat_template_kwargs,
+        )
+        # The template already placed BOS and the like; don't let the tokenizer add them twice.
+        prompt_ids = await self.encode(text, add_special_tokens=False)
+        self.check_prompt_length(len(prompt_ids), "messages")
+        top = request.top_logprobs or 0
+        params = self.sampling_params(request, request.effective_max_tokens, top if request.logprobs else None)
+        base_id = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        streams = await self.submit(base_id, [prompt_ids], params, request.cache_salt)
+        if request.stream:
+            return EngineStreamingResponse(
+                self._chat_stream(request, streams[0], base_id, created), media_type="text/event-stream"
+            )
+        (output,) = await cancel_on_disconnect(raw, self.final_outputs(streams))
+        choices = [
+            ChatChoice(
+                index=c.index,
+                message=ChatResponseMessage(content=c.text),
+                logprobs=self._chat_logprobs(c, 0, len(c.token_ids), top) if request.logprobs else None,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
+            for c in output.outputs
+        ]
+        return JSONResponse(
+            ChatCompletionResponse(
+                id=base_id, created=created, model=self.model_name, choices=choices, usage=_usage([output])
+            ).model_dump()
+        )
+
+    def _chat_logprobs(self, completion: CompletionOutput, start: int, end: int, k: int) -> ChatLogprobs:
+        content: list[TokenLogprob] = []
+        if completion.logprobs is not None:
+            end = min(end, len(completion.logprobs), len(completion.token_ids))
+            for pos in range(start, end):
+                token_id = completion.token_ids[pos]
+                position = completion.logprobs[pos]
+                sampled = position.get(token_id)
+                token = self.decode_token(token_id, sampled)
+                tops = [
+                    TopLogprob(token=(t := self.decode_token(tid, lp)), logprob=lp.logprob, bytes=list(t.encode()))
+                    for tid, lp in self._top(position, k)
+                ]
+                content.append(
+                    TokenLogprob(
+                        token=token,
+                        logprob=-9999.0 if sampled is None else sampled.logprob,
+                        bytes=list(token.encode()),
+                        top_logprobs=tops,
+                    )
+                )
+        return ChatLogprobs(content=content)
+
+    async def _chat_stream(
+        self, request: ChatCompletionRequest, stream: Any, base_id: str, created: int
+    ) -> AsyncIterator[str]:
+        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        continuous = bool(request.stream_options and request.stream_options.continuous_usage_stats)
+        top = request.top_logprobs or 0
+
+        def chunk(choice: ChatStreamChoice, usage: UsageInfo | None = None) -> str:
+            return sse(ChatCompletionChunk(id=base_id, created=created, model=self.model_name,
+                                           choices=[choice], usage=usage))
+
+        # The first chunk of every choice carries the role, as OpenAI's does.
+        for i in range(request.n):
+            yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
+        sent_text: dict[int, int] = {}
+        sent_tokens: dict[int, int] = {}
+        done: set[int] = set()
+        final: RequestOutput | None = None
+        try:
+            async for output in self.engine.iterate(stream):
+                final = output
+                for completion in output.outputs:
+                    index = completion.index
+                    if index in done:
+                        continue  # with n > 1, finished choices keep appearing in later outputs
+                    delta = completion.text[sent_text.get(index, 0):]
+                    if not delta and not completion.finished:
+                        continue
+                    if completion.finished:
+                        done.add(index)
+                    start = sent_tokens.get(index, 0)
+                    logprobs = (
+                        self._chat_logprobs(completion, start, len(completion.token_ids), top)
+                        if request.logprobs else None
+                    )
+                    sent_text[index] = len(completion.text)
+                    sent_tokens[index] = len(completion.token_ids)
+                    yield chunk(
+                        ChatStreamChoice(
+                            index=index,
+                            delta=DeltaMessage(content=delta),
+                            logprobs=logprobs,
+                            finish_reason=completion.finish_reason,
+                            stop_reason=completion.stop_reason,
+                        ),
+                        _usage([output]) if continuous else None,
+                    )
+            if include_usage and final is not None:
+                yield sse(ChatCompletionChunk(id=base_id, created=created, model=self.model_name, choices=[],
+                                              usage=_usage([final])))
+        except (EngineDeadError, EngineSleepingError, EngineShuttingDownError) as exc:
+            err = _engine_error(exc)
+            yield sse(error_body(err.status_code, err.message, err.err_type))
+        yield SSE_DONE
+
+    # -------------------------------------------------------------- tokenizer endpoints
+
+    async def tokenize(self, data: dict[str, Any]) -> TokenizeResponse:
+        if "messages" in data:
+            chat = parse_model(TokenizeChatRequest, data)
+            self.check_model(chat.model)
+            text = await self.render_chat(
+                chat.messages, chat.add_generation_prompt, chat.continue_final_message, chat.chat_template_kwargs
+            )
+            tokens = await self.encode(text, add_special_tokens=chat.add_special_tokens)
+            want_strs = chat.return_token_strs
+        else:
+            plain = parse_model(TokenizeCompletionRequest, data)
+            self.check_model(plain.model)
+            tokens = await self.encode(plain.prompt, add_special_tokens=plain.add_special_tokens)
+            want_strs = plain.return_token_strs
+        token_strs = self.tokenizer.convert_ids_to_tokens(tokens) if want_strs else None
+        return TokenizeResponse(count=len(tokens), max_model_len=self.max_model_len, tokens=tokens,
+                                token_strs=token_strs)
+
+    async def detokenize(self, data: dict[str, Any]) -> DetokenizeResponse:
+        request = parse_model(DetokenizeRequest, data)
+        self.check_model(request.model)
+        self.check_token_ids(request.tokens, "tokens")
+        text = await asyncio.to_thread(self.tokenizer.decode, request.tokens)
+        return DetokenizeResponse(prompt=text)
+
+
+def _usage(outputs: list[RequestOutput]) -> UsageInfo:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    cached = sum(o.num_cached_tokens for o in outputs)
+    return UsageInfo(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details={"cached_tokens": cached},
+    )
+
+
+def _engine_error(exc: BaseException) -> APIError:
+    """Map what the engine raises to the HTTP answer."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, EngineSleepingError):
+        return engine_sleeping_error()
+    if isinstance(exc, EngineShuttingDownError):
+        return APIError(503, "The server is shutting down.", ENGINE_UNAVAILABLE)
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, "The engine has stopped; this server cannot serve requests.", ENGINE_UNAVAILABLE)
+    if isinstance(exc, ValueError):
+        return bad_request(str(exc))  # the engine's own input checks (e.g. prompt too long)
+    raise exc
+

@@ -1,0 +1,153 @@
+"""`tidal-engine` command line: flag names, grouping, refusals, and what `serve` builds."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tidal_engine import cli  # noqa: E402
+
+
+def run_main(argv: list[str]) -> int:
+    try:
+        return cli.main(argv)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+
+
+def test_help_groups_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_main(["serve", "--help"]) == 0
+    out = capsys.readouterr().out
+    for group in ("HTTP server:", "security:", "logging:", "model:", "scheduler and KV cache:",
+                  "vLLM features Tidal does not have:"):
+        assert group in out
+    for flag in ("--host", "--port", "--served-model-name", "--seed", "--dtype", "--device", "--max-model-len",
+                 "--max-num-seqs", "--max-num-batched-tokens", "--block-size", "--gpu-memory-utilization",
+                 "--kv-cache-memory-bytes", "--num-gpu-blocks-override", "--enable-prefix-caching",
+                 "--no-enable-prefix-caching", "--enable-chunked-prefill", "--no-enable-chunked-prefill",
+                 "--api-key", "--allowed-origins", "--enable-sleep-mode", "--disable-log-requests",
+                 "--enforce-eager", "--no-protect-metrics", "--max-request-body-bytes", "--log-prompts",
+                 "--shutdown-timeout", "--tensor-parallel-size", "--quantization", "--kv-cache-dtype",
+                 "--enable-lora"):
+        assert flag in out, flag
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["serve", "m", "--bogus-flag"], "unrecognized arguments: --bogus-flag"),
+        (["serve", "m", "--port", "http"], "argument --port"),
+        (["serve", "m", "--port", "70000"], "port must be <= 65535"),
+        (["serve", "m", "--max-num-seqs", "0"], "must be >= 1"),
+        (["serve", "m", "--gpu-memory-utilization", "1.5"], "must be in (0, 1]"),
+        (["serve", "m", "--block-size", "24"], "invalid choice"),
+        (["serve", "m", "--dtype", "int3"], "invalid choice"),
+        (["serve", "m", "--kv-cache-memory-bytes", "lots"], "argument --kv-cache-memory-bytes"),
+        (["serve", "m", "--device", "tpu"], "unknown device"),
+        (["serve", "m", "--tensor-parallel-size", "2"], "--tensor-parallel-size 2"),
+        (["serve", "m", "--pipeline-parallel-size", "2"], "--pipeline-parallel-size 2"),
+        (["serve", "m", "--quantization", "awq"], "--quantization awq"),
+        (["serve", "m", "--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8"),
+        (["serve", "m", "--enable-lora", "--max-loras", "4"], "LoRA is not supported"),
+        (["serve"], "required: model"),
+        (["generate", "--model", "m"], "one of the arguments --prompt --chat is required"),
+        (["launch"], "invalid choice"),
+    ],
+)
+def test_bad_command_lines_exit_nonzero_with_a_message(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Nothing may get as far as loading a model.
+    monkeypatch.setattr("tidal_engine.engine.async_engine.AsyncLLMEngine.from_config",
+                        lambda config: pytest.fail("should not load"))
+    assert run_main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_supported_values_of_unsupported_features_are_accepted() -> None:
+    parser = cli.build_parser()
+    args = parser.parse_args(["serve", "m", "--tensor-parallel-size", "1", "--quantization", "none",
+                              "--kv-cache-dtype", "auto"])
+    cli.check_unsupported(args.subparser, args)  # no SystemExit
+
+
+def test_serve_maps_flags_to_config_and_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    captured: dict[str, Any] = {}
+
+    class FakeAsyncEngine:
+        pass
+
+    def fake_from_config(config: Any) -> FakeAsyncEngine:
+        captured["config"] = config
+        return FakeAsyncEngine()
+
+    def fake_run_server(engine: Any, settings: Any) -> None:
+        captured["settings"] = settings
+
+    monkeypatch.setattr("tidal_engine.engine.async_engine.AsyncLLMEngine.from_config", fake_from_config)
+    monkeypatch.setattr("tidal_engine.server.app.run_server", fake_run_server)
+    monkeypatch.setenv("TIDAL_API_KEY", "from-env")
+    code = run_main([
+        "serve", "smollm2-135m", "--host", "0.0.0.0", "--port", "9000", "--served-model-name", "smol", "alias",
+        "--seed", "7", "--dtype", "bfloat16", "--device", "cpu", "--max-model-len", "512", "--max-num-seqs", "8",
+        "--max-num-batched-tokens", "1024", "--block-size", "32", "--gpu-memory-utilization", "0.5",
+        "--kv-cache-memory-bytes", "2Gi", "--num-gpu-blocks-override", "100", "--no-enable-prefix-caching",
+        "--no-enable-chunked-prefill", "--enable-sleep-mode", "--enforce-eager", "--allowed-origins",
+        "https://a.example", "--no-protect-metrics", "--disable-log-requests", "--max-request-body-bytes", "1M",
+        "--shutdown-timeout", "5",
+    ])
+    assert code == 0
+    config, settings = captured["config"], captured["settings"]
+    assert (config.model, config.served_model_name, config.seed, config.dtype, config.device) == (
+        "smollm2-135m", "smol", 7, "bfloat16", "cpu")
+    assert (config.max_model_len, config.max_num_seqs, config.max_num_batched_tokens, config.block_size) == (
+        512, 8, 1024, 32)
+    assert config.gpu_memory_utilization == 0.5 and config.kv_cache_memory_bytes == 2 << 30
+    assert config.num_gpu_blocks_override == 100
+    assert not config.enable_prefix_caching and not config.enable_chunked_prefill
+    assert config.enable_sleep_mode and config.enforce_eager
+    assert (settings.host, settings.port, settings.served_model_names) == ("0.0.0.0", 9000, ["smol", "alias"])
+    assert settings.api_key == "from-env"
+    assert settings.allowed_origins == ["https://a.example"]
+    assert not settings.protect_metrics and not settings.log_requests
+    assert settings.max_request_body_bytes == 10**6 and settings.shutdown_timeout_s == 5
+
+
+def test_api_key_flag_beats_env_and_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    captured: dict[str, Any] = {}
+    monkeypatch.setattr("tidal_engine.engine.async_engine.AsyncLLMEngine.from_config", lambda config: object())
+    monkeypatch.setattr("tidal_engine.server.app.run_server", lambda e, s: captured.setdefault("s", s))
+    monkeypatch.setenv("TIDAL_API_KEY", "from-env")
+    assert run_main(["serve", "m", "--api-key", "from-flag"]) == 0
+    settings = captured["s"]
+    assert settings.api_key == "from-flag"
+    assert settings.host == "127.0.0.1" and settings.port == 8000
+    assert settings.protect_metrics and settings.log_requests and not settings.log_prompts
+    assert settings.allowed_origins == []
+
+
+def test_generate_prints_text(capsys: pytest.CaptureFixture[str]) -> None:
+    from test_server_support import tiny_model_dir
+
+    folder = tiny_model_dir()
+    code = run_main(["generate", "--model", folder, "--prompt", "Hello", "--max-tokens", "5", "--device", "cpu",
+                     "--kv-cache-memory-bytes", "8M"])
+    assert code == 0
+    assert capsys.readouterr().out.strip()
+    code = run_main(["generate", "--model", folder, "--chat", "Hi", "--system", "Be brief.", "--max-tokens", "3",
+                     "--kv-cache-memory-bytes", "8M", "--n", "2", "--temperature", "0.7"])
+    assert code == 0
+    assert len(capsys.readouterr().out.strip().splitlines()) >= 1
+
+
+def test_curl_hint_never_contains_the_key() -> None:
+    from tidal_engine.server.app import curl_hint
+
+    line = curl_hint("0.0.0.0", 8000, "smollm2-135m", with_key=True)
+    assert line.startswith("curl -s http://localhost:8000/v1/chat/completions")
+    assert "$TIDAL_API_KEY" in line and '"model": "smollm2-135m"' in line
