@@ -74,7 +74,9 @@ class TorchAttentionBackend:
     def forward(
         self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
-        block_size = kv_cache.shape[2]
+        if meta.is_decode_only:
+            return self._decode(query, kv_cache, meta, scale)
+        block_size, head_dim = kv_cache.shape[2], kv_cache.shape[4]
         num_heads, num_kv_heads = query.shape[1], kv_cache.shape[3]
         out = torch.empty_like(query)
         starts = meta.query_start_loc_cpu
@@ -85,11 +87,8 @@ class TorchAttentionBackend:
                 continue
             num_blocks = (seq_len + block_size - 1) // block_size
             blocks = meta.block_tables[i, :num_blocks].long()
-            k = kv_cache[0, blocks].reshape(-1, num_kv_heads, kv_cache.shape[4])[:seq_len]
-            v = kv_cache[1, blocks].reshape(-1, num_kv_heads, kv_cache.shape[4])[:seq_len]
-            if num_heads != num_kv_heads:
-                k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)
-                v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
+            k = kv_cache[0, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+            v = kv_cache[1, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
             # Query j sits at position seq_len - q_len + j and sees keys up to there.
             q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
             k_pos = torch.arange(seq_len, device=query.device)
@@ -100,9 +99,32 @@ class TorchAttentionBackend:
                 v.transpose(0, 1).to(torch.float32),
                 attn_mask=mask,
                 scale=scale,
+                enable_gqa=num_heads != num_kv_heads,
             )
             out[starts[i] : starts[i + 1]] = attn.transpose(0, 1).to(query.dtype)
         return out
+
+    @staticmethod
+    def _decode(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """One query per sequence: gather every context at once and attend in one batched op,
+        grouping the query heads that share a KV head (no copies for GQA)."""
+        num_seqs, num_heads, head_dim = query.shape
+        block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+        group = num_heads // num_kv_heads
+        width = (meta.max_seq_len + block_size - 1) // block_size
+        blocks = meta.block_tables[:, :width].long()
+        k = kv_cache[0, blocks].reshape(num_seqs, width * block_size, num_kv_heads, head_dim).float()
+        v = kv_cache[1, blocks].reshape(num_seqs, width * block_size, num_kv_heads, head_dim).float()
+        valid = torch.arange(width * block_size, device=query.device)[None, :] < meta.seq_lens[:, None]
+        # Padding slots may hold anything (even NaN): zero them so masked weights stay exact zeros.
+        v = v.masked_fill(~valid[:, :, None, None], 0.0)
+        k = k.masked_fill(~valid[:, :, None, None], 0.0)
+        q = query.view(num_seqs, num_kv_heads, group, head_dim).float()
+        scores = torch.einsum("skgd,sjkd->skgj", q, k) * scale
+        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out = torch.einsum("skgj,sjkd->skgd", probs, v)
+        return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
 
 
 class Attention(nn.Module):
