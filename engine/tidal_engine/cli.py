@@ -1,13 +1,14 @@
 """`tidal-engine`: `serve` runs the OpenAI-compatible server, `generate` runs one prompt offline.
 
 Flags carry vLLM's names. Features Tidal does not have (tensor parallelism, quantization,
-LoRA, ...) are accepted only with the value that means "off", so a vLLM command line that
+...) are accepted only with the value that means "off", so a vLLM command line that
 relies on them fails loudly instead of silently serving something else.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -70,6 +71,24 @@ def _bytes(text: str) -> int:
     return _positive_int(lowered)
 
 
+def _lora_module(text: str) -> tuple[str, str]:
+    """`name=path`, or vLLM's JSON form `{"name": ..., "path": ...}`."""
+    text = text.strip()
+    if text.startswith("{"):
+        try:
+            entry = json.loads(text)
+            name, path = entry["name"], entry["path"]
+        except (ValueError, KeyError, TypeError):
+            raise argparse.ArgumentTypeError(f"expected {{\"name\": ..., \"path\": ...}}, got {text!r}") from None
+    else:
+        name, sep, path = text.partition("=")
+        if not sep:
+            raise argparse.ArgumentTypeError(f"expected name=path, got {text!r}")
+    if not isinstance(name, str) or not isinstance(path, str) or not name.strip() or not path.strip():
+        raise argparse.ArgumentTypeError(f"expected a non-empty name and path, got {text!r}")
+    return name.strip(), path.strip()
+
+
 DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp16", "fp32")
 
 
@@ -103,6 +122,18 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     sched.add_argument("--enable-sleep-mode", action="store_true",
                        help="allow /sleep and /wake_up (free device memory on demand)")
 
+    lora = parser.add_argument_group("LoRA", "multi-LoRA serving (docs/lora.md)")
+    lora.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters next to the base model")
+    lora.add_argument("--max-loras", type=_positive_int, default=None,
+                      help="adapters usable in one batch: device slots (default 1)")
+    lora.add_argument("--max-lora-rank", type=_positive_int, default=None, help="largest adapter rank (default 16)")
+    lora.add_argument("--max-cpu-loras", type=_positive_int, default=None,
+                      help="adapters kept in host memory (default: --max-loras)")
+    lora.add_argument("--lora-modules", nargs="+", type=_lora_module, default=None, metavar="NAME=PATH",
+                      help="adapters to load at start (name=path or JSON {\"name\", \"path\"})")
+    lora.add_argument("--allowed-lora-roots", nargs="+", default=None, metavar="DIR",
+                      help="folders adapters may be loaded from; without it /v1/load_lora_adapter is refused")
+
     unsupported = parser.add_argument_group(
         "vLLM features Tidal does not have", "accepted only with the value that turns them off"
     )
@@ -110,9 +141,6 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     unsupported.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="must be 1")
     unsupported.add_argument("--quantization", "-q", default=None, help="must be unset or 'none'")
     unsupported.add_argument("--kv-cache-dtype", default="auto", help="must be 'auto'")
-    unsupported.add_argument("--enable-lora", action="store_true", help="not supported yet")
-    unsupported.add_argument("--max-loras", type=int, default=None, help="needs --enable-lora")
-    unsupported.add_argument("--max-lora-rank", type=int, default=None, help="needs --enable-lora")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -179,8 +207,17 @@ def check_unsupported(parser: argparse.ArgumentParser, args: argparse.Namespace)
         problems.append(f"--quantization {args.quantization} (no quantized kernels yet)")
     if args.kv_cache_dtype != "auto":
         problems.append(f"--kv-cache-dtype {args.kv_cache_dtype} (only 'auto')")
-    if args.enable_lora or args.max_loras is not None or args.max_lora_rank is not None:
-        problems.append("--enable-lora/--max-loras/--max-lora-rank (LoRA is not supported yet)")
+    if not args.enable_lora:
+        given = [flag for flag, value in (("--max-loras", args.max_loras), ("--max-lora-rank", args.max_lora_rank),
+                                          ("--max-cpu-loras", args.max_cpu_loras), ("--lora-modules", args.lora_modules),
+                                          ("--allowed-lora-roots", args.allowed_lora_roots)) if value is not None]
+        if given:
+            problems.append(f"{', '.join(given)} (needs --enable-lora)")
+    if args.lora_modules:
+        names = [name for name, _ in args.lora_modules]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            problems.append(f"--lora-modules names {', '.join(duplicates)} more than once")
     if problems:
         parser.error("unsupported option(s): " + "; ".join(problems))
 
@@ -208,6 +245,12 @@ def engine_config(parser: argparse.ArgumentParser, args: argparse.Namespace, mod
             enable_chunked_prefill=args.enable_chunked_prefill,
             enforce_eager=args.enforce_eager,
             enable_sleep_mode=args.enable_sleep_mode,
+            enable_lora=args.enable_lora,
+            max_loras=args.max_loras or 1,
+            max_lora_rank=args.max_lora_rank or 16,
+            max_cpu_loras=args.max_cpu_loras,
+            lora_modules=dict(args.lora_modules) if args.lora_modules else None,
+            allowed_lora_roots=list(args.allowed_lora_roots) if args.allowed_lora_roots else None,
         )
     except ValueError as exc:
         parser.error(str(exc))
@@ -215,13 +258,17 @@ def engine_config(parser: argparse.ArgumentParser, args: argparse.Namespace, mod
 
 def serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from tidal_engine.engine.async_engine import AsyncLLMEngine
+    from tidal_engine.lora.adapter import LoRAError
     from tidal_engine.server.app import ServerSettings, run_server
 
     api_key = args.api_key or os.environ.get("TIDAL_API_KEY") or None
     names = args.served_model_name or [args.model]
     config = engine_config(parser, args, args.model, names[0])
     logging.getLogger(__name__).info("loading %s", args.model)
-    engine = AsyncLLMEngine.from_config(config)
+    try:
+        engine = AsyncLLMEngine.from_config(config)
+    except LoRAError as exc:  # a bad --lora-modules entry: say which, like any bad flag
+        parser.error(f"--lora-modules: {exc}")
     settings = ServerSettings(
         host=args.host,
         port=args.port,

@@ -22,8 +22,20 @@ class EngineConfig:
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    enforce_eager: bool = False
+    enforce_eager: bool = False  # True: no CUDA graphs (every step runs eagerly)
+    # Decode batch sizes to capture CUDA graphs for (None: 1, 2, 4, 8, 16, ..., 256, 272, ...,
+    # up to min(max_num_seqs, 512)); larger decode batches and mixed steps run eagerly.
+    cuda_graph_sizes: list[int] | None = None
     enable_sleep_mode: bool = False
+    # Multi-LoRA (docs/lora.md): adapters active in one batch, max rank, host cache size
+    # (None: max_loras), adapters loaded at start (name → folder), and the folders runtime
+    # loads may read from (none: runtime loading is refused).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_modules: dict[str, str] | None = None
+    allowed_lora_roots: list[str] | None = None
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -38,5 +50,13 @@ class EngineConfig:
             raise ValueError(f"unknown device {self.device!r}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.cuda_graph_sizes is not None and any(int(s) < 1 for s in self.cuda_graph_sizes):
+            raise ValueError(f"cuda_graph_sizes must be positive, got {self.cuda_graph_sizes}")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError("num_gpu_blocks_override must be >= 1")
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError("max_loras and max_lora_rank must be >= 1")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules needs enable_lora")

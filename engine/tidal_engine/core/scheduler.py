@@ -54,6 +54,8 @@ class SchedulerConfig:
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
     block_size: int = 16
+    # At most this many distinct LoRA adapters in the running batch (the device slots); None: no limit.
+    max_loras: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
@@ -228,8 +230,17 @@ class Scheduler:
 
         # Phase 3: admissions. Skipped after a preemption so the victim isn't readmitted at
         # once and the cache gets a step to drain.
+        # A request whose adapter would exceed max_loras is skipped (it keeps its place in the
+        # queue), so requests for adapters already running, or for the base model, still go.
+        adapters = {r.lora_name for r in self.running if r.lora_name is not None}
+        skipped: list[Request] = []
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            lora = request.lora_name
+            if lora is not None and lora not in adapters and self.config.max_loras is not None \
+                    and len(adapters) >= self.config.max_loras:
+                skipped.append(self.waiting.popleft())
+                continue
             computed_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit  # >= 1: a hit never covers the last token
             if num_new > budget:
@@ -247,6 +258,9 @@ class Scheduler:
             insort(self.running, request, key=lambda r: self._order[r.request_id])
             scheduled[request.request_id] = self._chunk(request, num_new, block_ids)
             budget -= num_new
+            if lora is not None:
+                adapters.add(lora)
+        self.waiting.extendleft(reversed(skipped))
 
         chunks = list(scheduled.values())
         return SchedulerOutput(

@@ -101,6 +101,7 @@ class EngineSnapshot:
     stats: Any = None
     peak_running: int = 0
     sleep_level: int = 0  # 0 awake, 1 weights offloaded, 2 everything discarded
+    updated_at: float = 0.0  # wall time of the last refresh (lora_requests_info's value)
 
 
 class _RequestStream:
@@ -134,6 +135,7 @@ class _PendingAdd:
     params: SamplingParams
     cache_salt: str | None
     ack: concurrent.futures.Future[None]
+    lora_name: str | None = None
 
 
 @dataclass
@@ -250,6 +252,7 @@ class AsyncLLMEngine:
         params: SamplingParams,
         *,
         cache_salt: str | None = None,
+        lora_name: str | None = None,
     ) -> _RequestStream:
         """Submit a request and wait until the engine accepted it.
 
@@ -261,7 +264,7 @@ class AsyncLLMEngine:
         stream = _RequestStream(request_id, prompt, asyncio.get_running_loop())
         ack: concurrent.futures.Future[None] = concurrent.futures.Future()
         with self._cond:
-            self._inbox.adds.append(_PendingAdd(stream, params, cache_salt, ack))
+            self._inbox.adds.append(_PendingAdd(stream, params, cache_salt, ack, lora_name))
             self._cond.notify_all()
         await asyncio.wrap_future(ack)
         return stream
@@ -273,13 +276,14 @@ class AsyncLLMEngine:
         request_id: str,
         *,
         cache_salt: str | None = None,
+        lora_name: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield cumulative outputs until the request finishes.
 
         If the consumer stops early (client disconnect, task cancelled), the request is
         aborted so its KV blocks are freed.
         """
-        stream = await self.add_request(request_id, prompt, params, cache_salt=cache_salt)
+        stream = await self.add_request(request_id, prompt, params, cache_salt=cache_salt, lora_name=lora_name)
         async for output in self.iterate(stream):
             yield output
 
@@ -386,6 +390,25 @@ class AsyncLLMEngine:
         async with self._lock():
             return bool(await self._call(self.engine.reset_prefix_cache))
 
+    # ------------------------------------------------------------------ LoRA
+
+    def list_lora_adapters(self) -> list[Any]:
+        """Adapters requests may name now (thread-safe read of the engine's registry)."""
+        list_loras = getattr(self.engine, "list_loras", None)
+        return list(list_loras()) if list_loras is not None else []
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
+        """Read and validate the adapter off the loop thread, then register it between steps.
+        Raises LoRAError (a ValueError with an HTTP ``status``)."""
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine loop has stopped: {self._dead!r}")
+        adapter = await asyncio.to_thread(self.engine.read_lora, lora_name, lora_path)  # type: ignore[attr-defined]
+        await self._call(lambda: self.engine.add_lora(adapter))  # type: ignore[attr-defined]
+
+    async def unload_lora_adapter(self, lora_name: str) -> bool:
+        """True: unloaded now; False: refused to new requests, gone once running ones finish."""
+        return bool(await self._call(lambda: self.engine.remove_lora(lora_name)))  # type: ignore[attr-defined]
+
     async def get_stats(self) -> Any:
         """Fresh stats from the loop thread (the snapshot may be one step old)."""
         return await self._call(self._refresh_snapshot)
@@ -456,6 +479,8 @@ class AsyncLLMEngine:
         if self._dead is None and self._snapshot.sleep_level:
             pending.ack.set_exception(EngineSleepingError("the engine is sleeping"))
             return
+        # Only engines with LoRA get the keyword, so simple engines (test fakes) need not know it.
+        lora = {"lora_name": pending.lora_name} if pending.lora_name is not None else {}
         try:
             self.engine.add_request(
                 stream.request_id,
@@ -463,6 +488,7 @@ class AsyncLLMEngine:
                 pending.params,
                 cache_salt=pending.cache_salt,
                 arrival_time=stream.arrival_wall,
+                **lora,
             )
         except Exception as exc:  # ValueError for bad input; the caller maps it
             pending.ack.set_exception(exc)
@@ -538,6 +564,7 @@ class AsyncLLMEngine:
     def _refresh_snapshot(self) -> Any:
         stats = self.engine.get_stats()
         self._snapshot.stats = stats
+        self._snapshot.updated_at = time.time()
         # The engine's own peak counts every request batched into one step; fall back to
         # sampling num_running after each step for engines that don't report it.
         running = int(getattr(stats, "max_num_running_seen", 0) or getattr(stats, "num_running", 0) or 0)

@@ -18,6 +18,7 @@ from tidal_engine.config import EngineConfig
 from tidal_engine.core.kv_cache_manager import KVCacheManager
 from tidal_engine.core.request import Request, RequestStatus
 from tidal_engine.core.scheduler import Scheduler, SchedulerConfig
+from tidal_engine.lora import AdapterInfo, LoRAAdapter, LoRAError, LoRAManager
 from tidal_engine.models.loader import resolve_dtype, resolve_model
 from tidal_engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from tidal_engine.runner.detokenizer import IncrementalDetokenizer, decode_token
@@ -41,6 +42,10 @@ class EngineStats:
     prompt_tokens_total: int
     generation_tokens_total: int
     max_num_running_seen: int
+    # LoRA (vLLM's lora_requests_info): adapters of running / waiting requests; 0: LoRA off.
+    max_loras: int = 0
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
 
 
 @dataclass
@@ -68,6 +73,7 @@ class _Parent:
     params: SamplingParams
     cache_salt: str | None
     metrics: RequestMetrics
+    lora_name: str | None = None
     samples: list[_Sample | None] = field(default_factory=list)
     pending_fanout: bool = False  # samples 1..n-1 wait until sample 0 has filled the prefix cache
 
@@ -109,6 +115,7 @@ class LLMEngine:
                 max_model_len=self.max_model_len,
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 block_size=config.block_size,
+                max_loras=config.max_loras if config.enable_lora else None,
             ),
             self.kv_cache_manager,
         )
@@ -120,6 +127,9 @@ class LLMEngine:
         self._sleep_level = 0
         # Guards against concurrent sleep/wake/reset from different threads.
         self._state_lock = threading.Lock()
+        self.lora_manager: LoRAManager | None = self.runner.lora_manager
+        for lora_name, lora_path in (config.lora_modules or {}).items():
+            self.add_lora(self.read_lora(lora_name, lora_path, at_startup=True))
         logger.info(
             "engine ready: model=%s device=%s dtype=%s kv_blocks=%d block_size=%d max_model_len=%d",
             self.model_name, self.device, self.dtype, self.runner.num_blocks, config.block_size, self.max_model_len,
@@ -134,6 +144,7 @@ class LLMEngine:
         *,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        lora_name: str | None = None,
     ) -> None:
         params = params or SamplingParams()
         if self._sleep_level:
@@ -149,6 +160,8 @@ class LLMEngine:
         if max_tokens is None or max_tokens > room:
             max_tokens = room  # the context is the hard limit; finish_reason "length" at it
         params = params.clone(max_tokens=max_tokens, min_tokens=min(params.min_tokens, max_tokens))
+        if lora_name is not None:
+            self._acquire_lora(lora_name)  # last check: nothing below can fail and leak the reference
         parent = _Parent(
             request_id=request_id,
             prompt=prompt_text,
@@ -157,6 +170,7 @@ class LLMEngine:
             cache_salt=cache_salt,
             metrics=RequestMetrics(arrival_time=arrival_time or time.time()),
             samples=[None] * params.n,
+            lora_name=lora_name,
         )
         self._parents[request_id] = parent
         self._prompt_tokens_total += len(token_ids)
@@ -178,6 +192,7 @@ class LLMEngine:
             sampling_params=params,
             arrival_time=parent.metrics.arrival_time,
             cache_salt=parent.cache_salt,
+            lora_name=parent.lora_name,
         )
         sample = _Sample(
             request=request,
@@ -215,6 +230,8 @@ class LLMEngine:
         parent = self._parents.pop(request_id, None)
         if parent is None:
             return
+        if parent.lora_name is not None and self.lora_manager is not None:
+            self.lora_manager.release(parent.lora_name)
         for sample in parent.samples:
             if sample is not None:
                 self.scheduler.abort_request(sample.request.request_id)
@@ -303,6 +320,8 @@ class LLMEngine:
         if finished:
             parent.metrics.finished_time = now
             del self._parents[parent.request_id]
+            if parent.lora_name is not None and self.lora_manager is not None:
+                self.lora_manager.release(parent.lora_name)
         outputs = [self._completion(s, i) for i, s in enumerate(parent.samples)]
         first = parent.samples[0]
         return RequestOutput(
@@ -342,7 +361,53 @@ class LLMEngine:
             prompt_tokens_total=self._prompt_tokens_total,
             generation_tokens_total=self._generation_tokens_total,
             max_num_running_seen=self._max_running_seen,
+            **self._lora_stats(),
         )
+
+    # ---- LoRA ------------------------------------------------------------------------
+    def _lora(self) -> LoRAManager:
+        if self.lora_manager is None:
+            raise LoRAError("LoRA is not enabled on this server; start it with --enable-lora")
+        return self.lora_manager
+
+    def _acquire_lora(self, lora_name: str) -> None:
+        if self.lora_manager is None:
+            raise LoRAError(f"The model `{lora_name}` does not exist.", status=404)
+        self.lora_manager.acquire(lora_name)
+
+    def read_lora(self, lora_name: str, lora_path: str, *, at_startup: bool = False) -> LoRAAdapter:
+        """Read and validate an adapter (any thread; registers nothing). Runtime loads must
+        come from --allowed-lora-roots; start-up ones (--lora-modules) are the operator's own."""
+        manager = self._lora()
+        if lora_name == self.model_name:
+            raise LoRAError(f"The lora adapter '{lora_name}' has the base model's name.")
+        if not at_startup and not manager.settings.allowed_roots:
+            raise LoRAError("Loading LoRA adapters at run time is off: start the server with "
+                            "--allowed-lora-roots DIR [DIR ...] to allow adapters from those folders.")
+        return manager.read_adapter(lora_name, lora_path)
+
+    def add_lora(self, adapter: LoRAAdapter) -> None:
+        """Register an adapter from read_lora (the loop thread)."""
+        self._lora().add(adapter)
+
+    def remove_lora(self, lora_name: str) -> bool:
+        """Unload an adapter: True when gone now, False when its running requests finish first."""
+        return self._lora().remove(lora_name)
+
+    def list_loras(self) -> list[AdapterInfo]:
+        """Adapters requests may use (those waiting to unload excluded)."""
+        return [] if self.lora_manager is None else self.lora_manager.list_adapters()
+
+    def _lora_stats(self) -> dict[str, object]:
+        if self.lora_manager is None:
+            return {}
+        running = {r.lora_name for r in self.scheduler.running if r.lora_name is not None}
+        waiting = {r.lora_name for r in self.scheduler.waiting if r.lora_name is not None}
+        return {
+            "max_loras": self.lora_manager.settings.max_loras,
+            "running_lora_adapters": tuple(sorted(running)),
+            "waiting_lora_adapters": tuple(sorted(waiting)),
+        }
 
     def reset_prefix_cache(self) -> bool:
         with self._state_lock:
@@ -402,10 +467,14 @@ class LLMEngine:
 
 def _resolve_device(device: str) -> torch.device:
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("device 'cuda' was asked for, but no CUDA device is available")
-    return torch.device(device)
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and resolved.index is None:
+        # "cuda" -> "cuda:N": tensors report an indexed device, and device checks compare equal.
+        resolved = torch.device("cuda", torch.cuda.current_device())
+    return resolved
 
 
 def _eos_ids(config_eos: int | list[int] | None, tokenizer: object) -> set[int]:

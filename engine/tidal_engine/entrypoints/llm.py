@@ -30,8 +30,10 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         cache_salt: str | None = None,
+        lora_name: str | None = None,
     ) -> list[RequestOutput]:
-        """Submit every prompt at once (so they batch), run to completion, return in order."""
+        """Submit every prompt at once (so they batch), run to completion, return in order.
+        ``lora_name``: a loaded adapter (``llm.engine.add_lora``/``--lora-modules``) for every prompt."""
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or SamplingParams()] * len(prompt_list)
@@ -42,8 +44,8 @@ class LLM:
         ids = [f"offline-{next(self._ids)}" for _ in prompt_list]
         try:
             for request_id, prompt, params in zip(ids, prompt_list, params_list):
-                self.engine.add_request(request_id, prompt, params, cache_salt=cache_salt)
-        except ValueError:
+                self.engine.add_request(request_id, prompt, params, cache_salt=cache_salt, lora_name=lora_name)
+        except ValueError:  # LoRAError included
             for request_id in ids:
                 self.engine.abort_request(request_id)
             raise

@@ -92,6 +92,21 @@ class _EngineStatsCollector(Collector):
         yield counter("generation_tokens", "Tokens generated.", value("generation_tokens_total"))
         yield counter("num_preemptions", "Requests preempted (their KV recomputed later).",
                       value("num_preemptions"))
+        max_loras = int(getattr(stats, "max_loras", 0) or 0)
+        if max_loras:
+            # vLLM's lora_requests_info: the adapters in the labels, the update time as the value.
+            lora = GaugeMetricFamily(
+                PREFIX + "lora_requests_info",
+                "Running and waiting LoRA adapters (comma-separated) and max_lora; the value is the time "
+                "of the update.",
+                labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+            )
+            lora.add_metric(
+                [",".join(getattr(stats, "running_lora_adapters", ())),
+                 ",".join(getattr(stats, "waiting_lora_adapters", ())), str(max_loras)],
+                snapshot.updated_at,
+            )
+            yield lora
 
 
 class ServerMetrics:

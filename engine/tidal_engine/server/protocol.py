@@ -196,6 +196,20 @@ class DetokenizeRequest(_Request):
     tokens: list[Annotated[int, Field(ge=0)]]
 
 
+class LoadLoRAAdapterRequest(_Request):
+    """vLLM's POST /v1/load_lora_adapter body."""
+
+    lora_name: Annotated[str, Field(min_length=1, max_length=256)]
+    lora_path: Annotated[str, Field(min_length=1, max_length=4096)]
+
+
+class UnloadLoRAAdapterRequest(_Request):
+    """vLLM's POST /v1/unload_lora_adapter body (lora_int_id is accepted and ignored)."""
+
+    lora_name: Annotated[str, Field(min_length=1, max_length=256)]
+    lora_int_id: int | None = None
+
+
 # ---------------------------------------------------------------------- responses
 # Plain models: the server builds them, so no strictness is needed.
 

@@ -26,6 +26,7 @@ from tidal_engine.engine.async_engine import (
     EngineShuttingDownError,
     EngineSleepingError,
 )
+from tidal_engine.lora.adapter import LoRAError
 from tidal_engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from tidal_engine.sampling_params import SamplingParams
 from tidal_engine.server.errors import (
@@ -241,9 +242,20 @@ class OpenAIServing:
 
     # -------------------------------------------------------------- shared checks
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.settings.served_model_names:
-            raise APIError(404, f"The model `{model}` does not exist.", NOT_FOUND, "model")
+    def check_model(self, model: str | None) -> str | None:
+        """404 unless `model` is a served name or a loaded LoRA adapter; returns the adapter's
+        name (None for the base model)."""
+        if model is None or model in self.settings.served_model_names:
+            return None
+        if any(info.name == model for info in self.engine.list_lora_adapters()):
+            return model
+        raise APIError(404, f"The model `{model}` does not exist.", NOT_FOUND, "model")
+
+    def response_model(self, model: str | None) -> str:
+        """The `model` answers carry: the adapter's name for adapter requests (vLLM's choice)."""
+        if model is None or model in self.settings.served_model_names:
+            return self.model_name
+        return model
 
     def check_supported(self, request: SamplingFields) -> None:
         unsupported = request.unsupported_fields()
@@ -290,14 +302,16 @@ class OpenAIServing:
             raise bad_request(str(exc)) from None
 
     async def submit(
-        self, base_id: str, prompts: list[str | list[int]], params: SamplingParams, cache_salt: str | None
+        self, base_id: str, prompts: list[str | list[int]], params: SamplingParams, cache_salt: str | None,
+        lora_name: str | None = None,
     ) -> list[Any]:
         """Add one engine request per prompt; all or none (earlier ones are aborted on failure)."""
         streams: list[Any] = []
         try:
             for i, prompt in enumerate(prompts):
                 request_id = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-                streams.append(await self.engine.add_request(request_id, prompt, params, cache_salt=cache_salt))
+                lora = {"lora_name": lora_name} if lora_name is not None else {}
+                streams.append(await self.engine.add_request(request_id, prompt, params, cache_salt=cache_salt, **lora))
         except BaseException as exc:
             for stream in streams:
                 self.engine.abort(stream.request_id)
@@ -330,24 +344,28 @@ class OpenAIServing:
     # -------------------------------------------------------------- models
 
     def list_models(self) -> ModelList:
-        return ModelList(
-            data=[
-                ModelCard(id=name, root=self.settings.model_source, max_model_len=self.max_model_len)
-                for name in self.settings.served_model_names
-            ]
-        )
+        cards = [
+            ModelCard(id=name, root=self.settings.model_source, max_model_len=self.max_model_len)
+            for name in self.settings.served_model_names
+        ]
+        # LoRA adapters name their base model in `parent`, as vLLM's list does.
+        cards += [
+            ModelCard(id=info.name, root=info.path, parent=self.model_name, max_model_len=self.max_model_len)
+            for info in self.engine.list_lora_adapters()
+        ]
+        return ModelList(data=cards)
 
     # -------------------------------------------------------------- completions
 
     async def create_completion(self, data: dict[str, Any], raw: Request) -> Response:
         request = parse_model(CompletionRequest, data)
-        self.check_model(request.model)
+        lora_name = self.check_model(request.model)
         self.check_supported(request)
         prompts = self._completion_prompts(request.prompt)
         params = self.sampling_params(request, request.max_tokens, request.logprobs)
         base_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        streams = await self.submit(base_id, prompts, params, request.cache_salt)
+        streams = await self.submit(base_id, prompts, params, request.cache_salt, lora_name)
         if request.stream:
             return EngineStreamingResponse(
                 self._completion_stream(request, streams, base_id, created), media_type="text/event-stream"
@@ -369,7 +387,8 @@ class OpenAIServing:
                 )
         return JSONResponse(
             CompletionResponse(
-                id=base_id, created=created, model=self.model_name, choices=choices, usage=_usage(outputs)
+                id=base_id, created=created, model=self.response_model(request.model), choices=choices,
+                usage=_usage(outputs),
             ).model_dump()
         )
 
@@ -449,7 +468,7 @@ class OpenAIServing:
                     chunk = CompletionChunk(
                         id=base_id,
                         created=created,
-                        model=self.model_name,
+                        model=self.response_model(request.model),
                         choices=[
                             CompletionChoice(
                                 index=index,
@@ -464,7 +483,8 @@ class OpenAIServing:
                     yield sse(chunk)
             if include_usage:
                 usage = _usage([finals[i] for i in sorted(finals)])
-                yield sse(CompletionChunk(id=base_id, created=created, model=self.model_name, choices=[], usage=usage))
+                yield sse(CompletionChunk(id=base_id, created=created, model=self.response_model(request.model),
+                                          choices=[], usage=usage))
         except (EngineDeadError, EngineSleepingError, EngineShuttingDownError) as exc:
             err = _engine_error(exc)
             yield sse(error_body(err.status_code, err.message, err.err_type))
@@ -505,7 +525,7 @@ class OpenAIServing:
 
     async def create_chat_completion(self, data: dict[str, Any], raw: Request) -> Response:
         request = parse_model(ChatCompletionRequest, data)
-        self.check_model(request.model)
+        lora_name = self.check_model(request.model)
         self.check_supported(request)
         text = await self.render_chat(
             request.messages, request.add_generation_prompt, request.continue_final_message,
@@ -518,7 +538,7 @@ class OpenAIServing:
         params = self.sampling_params(request, request.effective_max_tokens, top if request.logprobs else None)
         base_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        streams = await self.submit(base_id, [prompt_ids], params, request.cache_salt)
+        streams = await self.submit(base_id, [prompt_ids], params, request.cache_salt, lora_name)
         if request.stream:
             return EngineStreamingResponse(
                 self._chat_stream(request, streams[0], base_id, created), media_type="text/event-stream"
@@ -536,7 +556,8 @@ class OpenAIServing:
         ]
         return JSONResponse(
             ChatCompletionResponse(
-                id=base_id, created=created, model=self.model_name, choices=choices, usage=_usage([output])
+                id=base_id, created=created, model=self.response_model(request.model), choices=choices,
+                usage=_usage([output]),
             ).model_dump()
         )
 
@@ -571,7 +592,7 @@ class OpenAIServing:
         top = request.top_logprobs or 0
 
         def chunk(choice: ChatStreamChoice, usage: UsageInfo | None = None) -> str:
-            return sse(ChatCompletionChunk(id=base_id, created=created, model=self.model_name,
+            return sse(ChatCompletionChunk(id=base_id, created=created, model=self.response_model(request.model),
                                            choices=[choice], usage=usage))
 
         # The first chunk of every choice carries the role, as OpenAI's does.
@@ -611,7 +632,8 @@ class OpenAIServing:
                         _usage([output]) if continuous else None,
                     )
             if include_usage and final is not None:
-                yield sse(ChatCompletionChunk(id=base_id, created=created, model=self.model_name, choices=[],
+                yield sse(ChatCompletionChunk(id=base_id, created=created, model=self.response_model(request.model),
+                                              choices=[],
                                               usage=_usage([final])))
         except (EngineDeadError, EngineSleepingError, EngineShuttingDownError) as exc:
             err = _engine_error(exc)
@@ -668,6 +690,9 @@ def _engine_error(exc: BaseException) -> APIError:
         return APIError(503, "The server is shutting down.", ENGINE_UNAVAILABLE)
     if isinstance(exc, EngineDeadError):
         return APIError(503, "The engine has stopped; this server cannot serve requests.", ENGINE_UNAVAILABLE)
+    if isinstance(exc, LoRAError) and exc.status == 404:
+        # The adapter was unloaded between the model check and the engine taking the request.
+        return APIError(404, str(exc), NOT_FOUND, "model")
     if isinstance(exc, ValueError):
         return bad_request(str(exc))  # the engine's own input checks (e.g. prompt too long)
     raise exc

@@ -213,5 +213,11 @@ def compute_status(
 
     out["phase"] = phase
     out["conditions"] = [cond("Validated", True, "Valid", "the spec is valid"),
-                         ready_cond, progressing_cond, degraded_cond]
+                         ready_cond, progressing_cond, degraded_cond] + _foreign_conditions(previous_status)
     return out
+
+
+def _foreign_conditions(previous_status: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Conditions other controllers own (AdaptersReady): carried over as they are, because a
+    merge-patch of `conditions` replaces the whole list."""
+    return [dict(c) for c in previous_status.get("conditions") or [] if c.get("type") not in CONDITION_TYPES]
