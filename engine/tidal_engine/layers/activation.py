@@ -6,10 +6,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tidal_engine.kernels.fused import use_fused
+
 
 class SiluAndMul(nn.Module):
     """``silu(gate) * up`` for the merged ``[..., 2 * d]`` output of gate_up_proj."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_fused(x):  # one Triton kernel on CUDA (fp32 inside, one rounding)
+            from tidal_engine.kernels.triton.activation import silu_and_mul
+
+            return silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from tidal_engine.kernels.fused import use_fused
+
 
 def _default_inv_freq(rotary_dim: int, base: float) -> torch.Tensor:
     exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).to(torch.float32) / rotary_dim
@@ -73,11 +75,20 @@ class RotaryEmbedding(nn.Module):
         # float32 whatever the model dtype: load_model never casts buffers.
         self.register_buffer("cos_cache", freqs.cos().repeat(1, 2).to(target), persistent=False)
         self.register_buffer("sin_cache", freqs.sin().repeat(1, 2).to(target), persistent=False)
+        # The Triton kernel's table: [max_position, head_dim] = cos half, then sin half (float32).
+        # Only built for CUDA models, the only place the kernel runs.
+        cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(target) if target.type == "cuda" else None
+        self.register_buffer("cos_sin_cache", cos_sin, persistent=False)
 
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """query ``[T, H*D]`` / key ``[T, Hkv*D]`` (or already ``[T, heads, D]``) → rotated, same shapes."""
+        if self.cos_sin_cache is not None and use_fused(query):
+            # One Triton kernel for q and k, in place (the model passes fresh tensors), in fp32.
+            from tidal_engine.kernels.triton.rotary import rotary_embedding
+
+            return rotary_embedding(positions, query, key, self.cos_sin_cache, self.head_dim, inplace=True)  # type: ignore[return-value]
         # HF casts cos/sin to the activation dtype and rotates in that dtype; so do we.
         cos = self.cos_cache[positions].to(query.dtype).unsqueeze(1)  # [T, 1, D]
         sin = self.sin_cache[positions].to(query.dtype).unsqueeze(1)

@@ -17,7 +17,18 @@ import torch
 from tidal_engine.config import EngineConfig
 from tidal_engine.core.scheduler import SchedulerOutput
 from tidal_engine.layers.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend, set_attention_backend
+from tidal_engine.lora.manager import create_lora_manager
 from tidal_engine.models.loader import ModelSource, load_model
+from tidal_engine.runner.cuda_graphs import DecodeGraphs
+from tidal_engine.runner.input_buffers import (
+    ChunkInput,
+    PinnedStaging,
+    StepLayout,
+    bucket_for,
+    fill_step,
+    normalize_capture_sizes,
+    plan_step,
+)
 from tidal_engine.runner.sampler import Sampler, SamplerOutput, SamplingRow
 
 logger = logging.getLogger(__name__)
@@ -49,6 +60,8 @@ class ModelRunner:
         self.model = load_model(source, dtype, device)
         self.backend = choose_attention_backend(device)
         set_attention_backend(self.model, self.backend)
+        # Multi-LoRA: adapter slots and hooks on the linears; None unless enable_lora.
+        self.lora_manager = create_lora_manager(self.model, self.arch, config)
         self.kv_spec = KVCacheSpec(
             num_layers=self.arch.num_hidden_layers,
             num_kv_heads=self.arch.num_key_value_heads,
@@ -56,9 +69,15 @@ class ModelRunner:
             block_size=config.block_size,
             dtype=dtype,
         )
+        self.max_model_len = config.max_model_len or self.arch.max_position_embeddings
         self.num_blocks = self._decide_num_blocks()
         self.kv_caches: list[torch.Tensor] = self._allocate_kv_caches()
         self.sampler = Sampler()
+        self.staging = PinnedStaging(device)
+        self.cuda_graph_sizes = normalize_capture_sizes(config.cuda_graph_sizes, config.max_num_seqs)
+        self.graphs: DecodeGraphs | None = None
+        self._warm_up_kernels()
+        self.capture_cuda_graphs()
 
     # ---- KV cache sizing -------------------------------------------------------------
     def _decide_num_blocks(self) -> int:
@@ -103,9 +122,10 @@ class ModelRunner:
         positions = torch.arange(num_tokens, device=self.device)
         meta = AttentionMetadata(
             slot_mapping=positions.clone(),
-            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
-            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
-            block_tables=torch.arange(num_blocks, dtype=torch.int32, device=self.device)[None],
+            # int64 like the real steps' metadata (the kernels are compiled per pointer dtype)
+            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int64, device=self.device),
+            seq_lens=torch.tensor([num_tokens], dtype=torch.int64, device=self.device),
+            block_tables=torch.arange(num_blocks, dtype=torch.int64, device=self.device)[None],
             max_query_len=num_tokens,
             max_seq_len=num_tokens,
             query_start_loc_cpu=[0, num_tokens],
@@ -116,75 +136,160 @@ class ModelRunner:
             self.model.compute_logits(hidden[-1:])
         del caches, hidden
 
+    def _warm_up_kernels(self) -> None:
+        """Compile the attention kernel's tile variants (16, 32, 64 rows) now, not mid-run:
+        a first prefix-cache hit or a short chunk would otherwise wait for Triton's JIT."""
+        if self.device.type != "cuda" or getattr(self.backend, "name", "") != "triton":
+            return
+        group = max(1, self.arch.num_attention_heads // self.arch.num_key_value_heads)
+        for num_tokens in sorted({1, max(1, 32 // group), max(1, 64 // group), 256}):
+            self._dummy_forward(num_tokens)
+        torch.cuda.synchronize(self.device)
+
     def _allocate_kv_caches(self) -> list[torch.Tensor]:
         shape = (2, self.num_blocks, self.config.block_size, self.kv_spec.num_kv_heads, self.kv_spec.head_dim)
         return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.kv_spec.num_layers)]
 
     # ---- one step --------------------------------------------------------------------
-    def prepare_inputs(self, output: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        """Flatten the scheduled chunks. Returns ids, positions, metadata and the row of
-        each sampling request's last token in the flat batch."""
-        bs = self.config.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_start = [0]
-        seq_lens: list[int] = []
-        tables: list[list[int]] = []
-        sample_rows: list[int] = []
+    def _chunk_inputs(self, output: SchedulerOutput) -> list[ChunkInput]:
+        chunks = []
         for chunk in output.chunks:
             req = chunk.request
             start = req.num_computed_tokens
-            end = start + chunk.num_new_tokens
-            tokens = req.all_token_ids[start:end]
-            input_ids.extend(tokens)
-            positions.extend(range(start, end))
-            blocks = chunk.block_ids
-            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
-            query_start.append(query_start[-1] + chunk.num_new_tokens)
-            seq_lens.append(end)
-            tables.append(blocks)
-            if chunk.samples:
-                sample_rows.append(query_start[-1] - 1)
-        width = max(len(t) for t in tables)
-        padded = [t + [0] * (width - len(t)) for t in tables]
-        dev = self.device
+            chunks.append(
+                ChunkInput(
+                    token_ids=req.all_token_ids[start : start + chunk.num_new_tokens],
+                    start=start,
+                    block_ids=chunk.block_ids,
+                    samples=chunk.samples,
+                )
+            )
+        return chunks
+
+    def _graph_bucket(self, chunks: list[ChunkInput]) -> int | None:
+        """The CUDA-graph bucket for this step, or None to run it eagerly."""
+        if self.graphs is None or any(len(c.token_ids) != 1 for c in chunks):
+            return None
+        if max(len(c.block_ids) for c in chunks) > self.graphs.max_blocks_per_seq:
+            return None
+        return bucket_for(len(chunks), self.graphs.sizes)
+
+    def _stage(self, chunks: list[ChunkInput], pad_to: int | None) -> tuple[StepLayout, torch.Tensor]:
+        """Pack the step into a pinned buffer and start its (async) copy to the device."""
+        layout = plan_step(chunks, pad_to)
+        buf = self.staging.host_buffer(layout.total)
+        fill_step(buf, layout, chunks, self.config.block_size)
+        return layout, self.staging.upload(layout.total)
+
+    def prepare_inputs(self, output: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """Flatten the scheduled chunks (no padding). Returns ids, positions, metadata and the
+        row of each sampling request's last token in the flat batch."""
+        layout, staged = self._stage(self._chunk_inputs(output), None)
+        ids, positions, meta, _ = self._views(layout, staged)
+        return ids, positions, meta, layout.sample_rows
+
+    @staticmethod
+    def _views(layout: StepLayout, staged: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        off = layout.offsets()
+
+        def view(name: str) -> torch.Tensor:
+            a, b = off[name]
+            return staged[a:b]
+
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(padded, dtype=torch.int32, device=dev),
-            max_query_len=max(c.num_new_tokens for c in output.chunks),
-            max_seq_len=max(seq_lens),
-            query_start_loc_cpu=query_start,
-            seq_lens_cpu=seq_lens,
+            slot_mapping=view("slot_mapping"),
+            query_start_loc=view("query_start_loc"),
+            seq_lens=view("seq_lens"),
+            block_tables=view("block_tables").view(layout.num_seqs, layout.width),
+            max_query_len=layout.max_query_len,
+            max_seq_len=layout.max_seq_len,
+            query_start_loc_cpu=layout.query_start_loc,
+            seq_lens_cpu=layout.seq_lens,
         )
-        ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
-        pos = torch.tensor(positions, dtype=torch.long, device=dev)
-        return ids, pos, meta, sample_rows
+        return view("input_ids"), view("positions"), meta, view("sample_rows")
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput, rows: list[SamplingRow]) -> SamplerOutput | None:
-        """Run the forward pass; sample for the chunks that ask for it (``rows`` in chunk order)."""
-        ids, positions, meta, sample_rows = self.prepare_inputs(output)
-        hidden = self.model(ids, positions, self.kv_caches, meta)
-        if not sample_rows:
-            return None
-        logits = self.model.compute_logits(hidden[sample_rows])
+        """Run the forward pass; sample for the chunks that ask for it (``rows`` in chunk order).
+
+        Decode-only steps replay a CUDA graph (padded to its bucket) when graphs are on; the
+        only host synchronisation of a step is the sampler reading the sampled tokens."""
+        if self.lora_manager is not None and self.lora_manager.begin_step(output.chunks):
+            try:  # rows use adapters: run eagerly (the graphs hold the base path only)
+                return self._execute(output, rows, allow_graphs=False)
+            finally:
+                self.lora_manager.end_step()
+        return self._execute(output, rows)
+
+    def _execute(self, output: SchedulerOutput, rows: list[SamplingRow], allow_graphs: bool = True) -> SamplerOutput | None:
+        chunks = self._chunk_inputs(output)
+        bucket = self._graph_bucket(chunks) if allow_graphs else None
+        layout, staged = self._stage(chunks, bucket)
+        if bucket is not None:
+            assert self.graphs is not None
+            bt_offset = layout.offsets()["block_tables"][0]
+            logits = self.graphs.replay(bucket, staged, layout.width, bt_offset)
+            if not layout.sample_rows:
+                return None
+            if layout.sample_rows == list(range(layout.num_samples)):
+                logits = logits[: layout.num_samples]
+            else:
+                a, b = layout.offsets()["sample_rows"]
+                logits = logits.index_select(0, staged[a:b])
+        else:
+            ids, positions, meta, sample_rows = self._views(layout, staged)
+            hidden = self.model(ids, positions, self.kv_caches, meta)
+            if not layout.sample_rows:
+                return None
+            logits = self.model.compute_logits(hidden.index_select(0, sample_rows))
         return self.sampler(logits, rows)
+
+    # ---- CUDA graphs -----------------------------------------------------------------
+    def _graphs_wanted(self) -> bool:
+        return (
+            self.device.type == "cuda"
+            and not self.config.enforce_eager
+            and getattr(self.backend, "name", "") == "triton"
+        )
+
+    def capture_cuda_graphs(self) -> None:
+        """(Re)capture the decode graphs for the current weights and KV cache."""
+        self.graphs = None
+        if not self._graphs_wanted() or not self.kv_caches:
+            return
+        graphs = DecodeGraphs(
+            self.model,
+            self.kv_caches,
+            self.cuda_graph_sizes,
+            max_blocks_per_seq=-(-self.max_model_len // self.config.block_size),
+            device=self.device,
+        )
+        graphs.capture()
+        self.graphs = graphs
+
+    def _drop_cuda_graphs(self) -> None:
+        self.graphs = None
+
+    def _maybe_recapture(self) -> None:
+        weights_home = all(_on_device(t, self.device) and t.numel() > 0 for t in self.model.parameters())
+        if self.graphs is None and weights_home and self.kv_caches:
+            self.capture_cuda_graphs()
 
     # ---- sleep mode ------------------------------------------------------------------
     def release_kv_cache(self) -> None:
+        self._drop_cuda_graphs()  # they point into the cache
         self.kv_caches = []
         _free_device_memory(self.device)
 
     def restore_kv_cache(self) -> None:
         if not self.kv_caches:
             self.kv_caches = self._allocate_kv_caches()
+        self._maybe_recapture()
 
     def offload_weights(self) -> None:
         """Level 1: keep the weights in host memory (pinned on CUDA) for a fast wake."""
         pin = self.device.type == "cuda"
+        self._drop_cuda_graphs()  # they point at the weights' device addresses
         with torch.no_grad():
             for tensor in _module_tensors(self.model):
                 host = tensor.data.to("cpu")
@@ -197,9 +302,11 @@ class ModelRunner:
                 tensor.data = tensor.data.to(self.device, non_blocking=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        self._maybe_recapture()
 
     def discard_weights(self) -> None:
         """Level 2: drop the weights entirely; wake reloads them from the model source."""
+        self._drop_cuda_graphs()
         with torch.no_grad():
             for tensor in _module_tensors(self.model):
                 tensor.data = torch.empty(0, dtype=tensor.dtype, device=self.device)
@@ -208,6 +315,9 @@ class ModelRunner:
     def reload_weights(self) -> None:
         self.model = load_model(self.source, self.dtype, self.device)
         set_attention_backend(self.model, self.backend)
+        if self.lora_manager is not None:
+            self.lora_manager.reattach(self.model)
+        self._maybe_recapture()
 
     def memory_usage(self) -> dict[str, int]:
         """Bytes held on the engine's device by the weights and the KV cache."""
@@ -226,6 +336,15 @@ def choose_attention_backend(device: torch.device) -> AttentionBackend:
         except ImportError as exc:  # no triton: still correct, only slower
             logger.warning("Triton attention unavailable (%s); using the torch reference", exc)
     return TorchAttentionBackend()
+
+
+def _on_device(t: torch.Tensor, device: torch.device) -> bool:
+    """``t`` lives on ``device`` ("cuda" matches "cuda:<current>")."""
+    if t.device.type != device.type:
+        return False
+    if device.type != "cuda" or device.index is None:
+        return True
+    return t.device.index == device.index
 
 
 def _module_tensors(model: torch.nn.Module) -> list[torch.Tensor]:

@@ -34,7 +34,9 @@ from tidal_engine.kernels.triton._common import FLOAT_DTYPES, check_dtype, check
 _LOG2E = 1.4426950408889634
 
 
-@triton.jit
+# The batch size and the block-table width change every step: don't let Triton specialise
+# on them (== 1, divisible by 16), or new steps would trigger fresh JIT compiles mid-run.
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _paged_attention_kernel(
     q_ptr,
     k_cache_ptr,

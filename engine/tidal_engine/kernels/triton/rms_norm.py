@@ -108,4 +108,60 @@ def fused_add_rms_norm(
     return out, new_residual
 
 
-__all__ = ["rms_norm", "fused_add_rms_norm"]
+@triton.jit
+def _rms_norm_heads_kernel(
+    x_ptr,
+    weight_ptr,
+    out_ptr,
+    stride_xt,
+    stride_xh,
+    eps,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+):
+    # One program per token normalises every head of it: [H, D] is one small tile.
+    tok = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, HEADS_PAD)
+    d = tl.arange(0, DIM_PAD)
+    mask = (h < NUM_HEADS)[:, None] & (d < HEAD_DIM)[None, :]
+    x = tl.load(x_ptr + tok * stride_xt + h[:, None] * stride_xh + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)
+    w = tl.load(weight_ptr + d, mask=d < HEAD_DIM, other=0.0).to(tl.float32)
+    y = (x * inv_rms[:, None]).to(out_ptr.dtype.element_ty).to(tl.float32) * w[None, :]
+    o = tok * (NUM_HEADS * HEAD_DIM) + h[:, None] * HEAD_DIM + d[None, :]
+    tl.store(out_ptr + o, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Per-head RMSNorm of ``x [T, H, D]`` (Qwen3's q/k norm) without copying a strided view
+    first: ``x`` may be a slice of a fused QKV output (any token and head strides, contiguous
+    last dim). Returns a new contiguous ``[T, H, D]``; same numbers as ``rms_norm``."""
+    if x.dim() != 3 or weight.dim() != 1 or x.shape[2] != weight.shape[0]:
+        raise ValueError(f"x [T, H, D] and weight [D] disagree: {tuple(x.shape)} vs {tuple(weight.shape)}")
+    check_dtype("x", x, FLOAT_DTYPES)
+    check_dtype("weight", weight, FLOAT_DTYPES)
+    check_same_device(x=x, weight=weight)
+    if x.stride(2) != 1:
+        x = x.contiguous()
+    num_tokens, num_heads, head_dim = x.shape
+    out = torch.empty((num_tokens, num_heads, head_dim), dtype=x.dtype, device=x.device)
+    if num_tokens > 0:
+        _rms_norm_heads_kernel[(num_tokens,)](
+            x,
+            weight,
+            out,
+            x.stride(0),
+            x.stride(1),
+            eps,
+            NUM_HEADS=num_heads,
+            HEAD_DIM=head_dim,
+            HEADS_PAD=next_power_of_2(num_heads),
+            DIM_PAD=next_power_of_2(head_dim),
+            num_warps=4,
+        )
+    return out
+
+
+__all__ = ["rms_norm", "fused_add_rms_norm", "rms_norm_heads"]

@@ -1,0 +1,129 @@
+"""CUDA graphs for decode-only steps.
+
+A decode step launches a few hundred small kernels; launched one by one from Python that
+costs far more than the GPU work (transformers' eager decode: ~80 ms a step). Each graph
+here is one decode forward (embedding → layers → final norm → LM head) captured for a
+batch-size bucket B, reading static input buffers:
+
+- ``scalars`` (int64): ``input_ids[B] | positions[B] | slot_mapping[B] | seq_lens[B] |
+  query_start_loc[B+1]`` at the (aligned) offsets ``input_buffers.packed_offsets(B, B, 0, 0)``,
+  the layout ``input_buffers.fill_step`` writes for a padded step;
+- ``block_tables`` (int64, ``[max_bucket, max_blocks_per_seq]``): fixed width, so the
+  kernels' row stride is a constant of the graph.
+
+A replay refreshes those buffers with two device copies and returns the float32 logits of
+all B rows (a static output: read it before the next replay). The sampler stays outside.
+The graphs bake in the addresses of the weights and the KV cache: anything that moves
+them (sleep mode) must drop the graphs and capture again.
+
+The Triton attention kernel is graph-safe: its grid is ``(B // BLOCK_Q + B, num_kv_heads)``,
+fixed per bucket, and the per-sequence lengths are read on the device.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from tidal_engine.layers.attention import AttentionMetadata
+from tidal_engine.runner.input_buffers import packed_offsets
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    logits: torch.Tensor  # [B, vocab] float32, written by each replay
+
+
+class DecodeGraphs:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_caches: list[torch.Tensor],
+        sizes: list[int],
+        max_blocks_per_seq: int,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.sizes = sorted(sizes)
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.device = device
+        max_b = self.sizes[-1]
+        self.scalars = torch.zeros(self._scalars_end(max_b), dtype=torch.int64, device=device)
+        self.block_tables = torch.zeros(max_b, max_blocks_per_seq, dtype=torch.int64, device=device)
+        self.graphs: dict[int, _Graph] = {}
+        self.capture_seconds = 0.0
+        self.num_replays = 0
+
+    @staticmethod
+    def _scalars_end(b: int) -> int:
+        return packed_offsets(b, b, 0, 0)["query_start_loc"][1]
+
+    def _span(self, b: int, name: str) -> torch.Tensor:
+        start, end = packed_offsets(b, b, 0, 0)[name]
+        return self.scalars[start:end]
+
+    def _meta(self, b: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        meta = AttentionMetadata(
+            slot_mapping=self._span(b, "slot_mapping"),
+            query_start_loc=self._span(b, "query_start_loc"),
+            seq_lens=self._span(b, "seq_lens"),
+            block_tables=self.block_tables[:b],
+            max_query_len=1,
+            max_seq_len=self.max_blocks_per_seq,  # unused by the Triton backend
+            query_start_loc_cpu=list(range(b + 1)),  # shapes only: the torch backend never runs here
+            seq_lens_cpu=[1] * b,
+        )
+        return self._span(b, "input_ids"), self._span(b, "positions"), meta
+
+    def _dummy_inputs(self, b: int) -> None:
+        """A valid decode batch: B one-token sequences at position 0, stored nowhere."""
+        self._span(b, "input_ids").zero_()
+        self._span(b, "positions").zero_()
+        self._span(b, "slot_mapping").fill_(-1)
+        self._span(b, "seq_lens").fill_(1)
+        self._span(b, "query_start_loc").copy_(torch.arange(b + 1, device=self.device))
+        self.block_tables[:b].zero_()
+
+    def _forward(self, b: int) -> torch.Tensor:
+        ids, pos, meta = self._meta(b)
+        hidden = self.model(ids, pos, self.kv_caches, meta)
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        start = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)
+        # Largest first: the smaller graphs then fit in the memory the big one pooled.
+        for b in sorted(self.sizes, reverse=True):
+            self._dummy_inputs(b)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):  # warm-up: Triton compiles, cuBLAS picks kernels
+                self._forward(b)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                logits = self._forward(b)
+            self.graphs[b] = _Graph(graph, logits)
+        torch.cuda.synchronize(self.device)
+        self.capture_seconds = time.perf_counter() - start
+        logger.info("captured %d decode CUDA graphs (batch %d..%d) in %.2f s",
+                    len(self.graphs), self.sizes[0], self.sizes[-1], self.capture_seconds)
+
+    def replay(self, b: int, staged: torch.Tensor, width: int, bt_offset: int) -> torch.Tensor:
+        """Run bucket ``b`` on a padded step staged on the device (layout of fill_step with
+        T = S = b); returns the [b, vocab] float32 logits."""
+        end = self._scalars_end(b)
+        self.scalars[:end].copy_(staged[:end])
+        self.block_tables[:b, :width].copy_(staged[bt_offset : bt_offset + b * width].view(b, width))
+        entry = self.graphs[b]
+        entry.graph.replay()
+        self.num_replays += 1
+        return entry.logits

@@ -1,0 +1,275 @@
+"""Decode CUDA graphs and the step layout behind them.
+
+CPU: the bucketing and padding logic (pure functions), the pinned staging on CPU, and the
+per-head RMSNorm kernel under the Triton interpreter. GPU (marked ``gpu``; run with
+``TRITON_INTERPRET=0 pytest tests/engine/test_cuda_graphs.py -m gpu`` on a CUDA machine):
+graph replay gives the same greedy tokens as eager execution, padded buckets included,
+and the GPU path gives the torch reference's tokens.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tidal_engine.runner.input_buffers import (
+    ChunkInput,
+    PinnedStaging,
+    bucket_for,
+    default_capture_sizes,
+    fill_step,
+    normalize_capture_sizes,
+    packed_offsets,
+    plan_step,
+)
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+gpu = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.skipif(INTERPRETING, reason="GPU tests run compiled: set TRITON_INTERPRET=0"),
+]
+
+
+def on_gpu(test):  # type: ignore[no-untyped-def]
+    for mark in reversed(gpu):
+        test = mark(test)
+    return test
+
+
+# ---------------------------------------------------------------------------------------
+# Buckets
+
+
+def test_default_capture_sizes() -> None:
+    sizes = default_capture_sizes(256)
+    assert sizes[:5] == [1, 2, 4, 8, 16]
+    assert sizes[-1] == 256 and all(b - a == 8 for a, b in zip(sizes[3:], sizes[4:]))
+    assert default_capture_sizes(3) == [1, 2, 3]  # the cap itself is a bucket
+    assert default_capture_sizes(100)[-2:] == [96, 100]
+    assert default_capture_sizes(1024)[-1] == 512  # never past 512 by default
+    assert default_capture_sizes(300)[-3:] == [272, 288, 300]
+
+
+def test_normalize_capture_sizes() -> None:
+    assert normalize_capture_sizes(None, 16) == default_capture_sizes(16)
+    assert normalize_capture_sizes([8, 1, 8, 64], 32) == [1, 8, 32]
+    with pytest.raises(ValueError):
+        normalize_capture_sizes([0, 4], 8)
+
+
+@pytest.mark.parametrize(("n", "expected"), [(1, 1), (3, 4), (4, 4), (9, 16), (17, 24), (256, 256), (257, None)])
+def test_bucket_for(n: int, expected: int | None) -> None:
+    assert bucket_for(n, default_capture_sizes(256)) == expected
+
+
+# ---------------------------------------------------------------------------------------
+# Step layout
+
+
+def _naive(chunks: list[ChunkInput], block_size: int) -> dict[str, list[int]]:
+    ids, pos, slots = [], [], []
+    for c in chunks:
+        for j, t in enumerate(c.token_ids):
+            p = c.start + j
+            ids.append(t)
+            pos.append(p)
+            slots.append(c.block_ids[p // block_size] * block_size + p % block_size)
+    return {"input_ids": ids, "positions": pos, "slot_mapping": slots}
+
+
+def _unpack(buf: np.ndarray, layout) -> dict[str, np.ndarray]:  # type: ignore[no-untyped-def]
+    return {name: buf[a:b] for name, (a, b) in layout.offsets().items()}
+
+
+def test_mixed_step_layout_matches_naive() -> None:
+    bs = 4
+    chunks = [
+        ChunkInput(token_ids=[5, 6, 7, 8, 9], start=3, block_ids=[7, 2], samples=True),  # prefill chunk
+        ChunkInput(token_ids=[11], start=9, block_ids=[1, 4, 3], samples=True),  # decode
+        ChunkInput(token_ids=[1, 2], start=0, block_ids=[6], samples=False),  # chunk, no sample
+    ]
+    layout = plan_step(chunks)
+    assert (layout.num_tokens, layout.num_seqs, layout.width) == (8, 3, 3)
+    assert layout.query_start_loc == [0, 5, 6, 8]
+    assert layout.seq_lens == [8, 10, 2]
+    assert layout.sample_rows == [4, 5]
+    assert layout.max_query_len == 5 and layout.max_seq_len == 10
+    buf = np.full(layout.total + 10, 12345, dtype=np.int64)
+    fill_step(buf, layout, chunks, bs)
+    got = _unpack(buf, layout)
+    for name, values in _naive(chunks, bs).items():
+        assert got[name].tolist() == values, name
+    assert got["seq_lens"].tolist() == [8, 10, 2]
+    assert got["query_start_loc"].tolist() == [0, 5, 6, 8]
+    assert got["sample_rows"].tolist() == [4, 5]
+    assert got["block_tables"].reshape(3, 3).tolist() == [[7, 2, 0], [1, 4, 3], [6, 0, 0]]
+    assert (buf[layout.total :] == 12345).all()  # nothing written past the step
+
+
+def test_decode_step_padded_to_bucket() -> None:
+    bs = 16
+    chunks = [
+        ChunkInput(token_ids=[42], start=20, block_ids=[3, 9], samples=True),
+        ChunkInput(token_ids=[43], start=0, block_ids=[5], samples=True),
+        ChunkInput(token_ids=[44], start=31, block_ids=[1, 2], samples=True),
+    ]
+    layout = plan_step(chunks, pad_to=8)
+    assert (layout.num_tokens, layout.num_seqs, layout.num_real_seqs) == (8, 8, 3)
+    buf = np.full(layout.total, -7, dtype=np.int64)
+    fill_step(buf, layout, chunks, bs)
+    got = _unpack(buf, layout)
+    assert got["input_ids"].tolist() == [42, 43, 44] + [0] * 5
+    assert got["positions"].tolist() == [20, 0, 31] + [0] * 5
+    # Real slots from the block tables; padding writes nowhere.
+    assert got["slot_mapping"].tolist() == [9 * 16 + 4, 5 * 16, 2 * 16 + 15] + [-1] * 5
+    assert got["seq_lens"].tolist() == [21, 1, 32] + [1] * 5
+    assert got["query_start_loc"].tolist() == list(range(9))
+    assert got["sample_rows"].tolist() == [0, 1, 2]
+    bt = got["block_tables"].reshape(8, 2)
+    assert bt[:3].tolist() == [[3, 9], [5, 0], [1, 2]] and (bt[3:] == 0).all()
+    # The graph's static buffer has the same layout up to the end of query_start_loc.
+    assert {k: v for k, v in layout.offsets().items() if k not in ("sample_rows", "block_tables")} == {
+        k: v for k, v in packed_offsets(8, 8, 0, 0).items() if k not in ("sample_rows", "block_tables")
+    }
+
+
+def test_packed_arrays_are_32_byte_aligned() -> None:
+    # Triton compiles a kernel variant per pointer alignment: every array must start aligned.
+    for t, s, n, w in [(1, 1, 1, 1), (7, 3, 2, 5), (2048, 9, 4, 33)]:
+        offsets = packed_offsets(t, s, n, w)
+        assert all(a % 4 == 0 for a, _ in offsets.values())
+        ends = sorted(offsets.values())
+        assert all(e1 <= s2 for (_, e1), (s2, _) in zip(ends, ends[1:]))  # no overlap
+
+
+def test_only_decode_steps_are_padded() -> None:
+    with pytest.raises(ValueError, match="decode-only"):
+        plan_step([ChunkInput([1, 2], 0, [0], True)], pad_to=4)
+    with pytest.raises(ValueError, match="cannot pad"):
+        plan_step([ChunkInput([1], 0, [0], True)] * 3, pad_to=2)
+
+
+def test_pinned_staging_on_cpu_grows_and_alternates() -> None:
+    staging = PinnedStaging(torch.device("cpu"), capacity=8)
+    a = staging.host_buffer(4)
+    a[:4] = [1, 2, 3, 4]
+    dev_a = staging.upload(4)
+    b = staging.host_buffer(4)
+    assert not np.shares_memory(a, b)  # the two buffers take turns
+    b[:4] = 9
+    assert dev_a[:4].tolist() == [1, 2, 3, 4]
+    big = staging.host_buffer(5000)
+    assert big.shape[0] >= 5000 and staging.capacity >= 5000
+
+
+# ---------------------------------------------------------------------------------------
+# Per-head RMSNorm (Qwen3's q/k norm) on a strided view, against the reference
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="CPU kernels need TRITON_INTERPRET=1")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rms_norm_heads_on_strided_view(dtype: torch.dtype) -> None:
+    pytest.importorskip("triton")
+    from tidal_engine.kernels import reference as ref
+    from tidal_engine.kernels.triton.rms_norm import rms_norm_heads
+
+    g = torch.Generator().manual_seed(3)
+    t, h, hkv, d = 5, 4, 2, 32
+    qkv = (2 * torch.randn(t, (h + 2 * hkv) * d, generator=g)).to(dtype)
+    weight = (1 + 0.1 * torch.randn(d, generator=g)).to(dtype)
+    k = qkv[:, h * d : (h + hkv) * d].reshape(t, hkv, d)  # strided [T, Hkv, D] view
+    out = rms_norm_heads(k, weight, 1e-6)
+    assert out.is_contiguous() and out.shape == (t, hkv, d)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref.rms_norm_ref(k, weight, 1e-6).float(), atol=tol, rtol=tol)
+
+
+# ---------------------------------------------------------------------------------------
+# GPU: graphs vs eager
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tiny_models import make_tiny_model
+    from tiny_tokenizer import EOS_ID, save_byte_tokenizer
+
+    folder = tmp_path_factory.mktemp("tiny-qwen3-graphs")
+    make_tiny_model("qwen3", folder, eos_token_id=EOS_ID, bos_token_id=None, max_position_embeddings=512)
+    save_byte_tokenizer(folder, vocab_size=1000)
+    return folder
+
+
+PROMPTS = [
+    "hello world",
+    "the tide comes in and the tide goes out",
+    "a",
+    "0123456789" * 4,
+    "tidal engines sleep when idle",
+    "xyz",
+    "paged attention reads keys through block tables",
+    "continuous batching",
+]
+
+
+def _generate(folder: Path, prompts: list[str], max_tokens: list[int], **options: object) -> tuple[list[list[int]], object]:
+    from tidal_engine import LLM, SamplingParams
+
+    defaults: dict[str, object] = dict(device="cuda", dtype="bfloat16", max_model_len=256, num_gpu_blocks_override=256)
+    defaults.update(options)
+    llm = LLM(str(folder), **defaults)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in max_tokens]
+    outs = llm.generate(prompts, params)
+    return [o.outputs[0].token_ids for o in outs], llm
+
+
+@on_gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_graph_matches_eager_exact_buckets(tiny_dir: Path, dtype: str) -> None:
+    # 8 requests of equal length: every decode step is exactly the bucket 8, no padding.
+    eager, _ = _generate(tiny_dir, PROMPTS, [48] * 8, dtype=dtype, enforce_eager=True)
+    graph, llm = _generate(tiny_dir, PROMPTS, [48] * 8, dtype=dtype, max_num_seqs=8)
+    runner = llm.engine.runner  # type: ignore[attr-defined]
+    assert runner.graphs is not None and runner.graphs.num_replays >= 47
+    assert graph == eager
+
+
+@on_gpu
+def test_graph_padded_buckets_match_eager(tiny_dir: Path) -> None:
+    # Requests end at different steps, so decode batches shrink through 8..1 and are padded
+    # to the buckets 8 and 16 (fp32: different GEMM shapes don't flip a token).
+    prompts = PROMPTS + [p[::-1] for p in PROMPTS]
+    lengths = [10 + 5 * i for i in range(16)]
+    eager, _ = _generate(tiny_dir, prompts, lengths, dtype="float32", enforce_eager=True)
+    graph, llm = _generate(tiny_dir, prompts, lengths, dtype="float32", cuda_graph_sizes=[8, 16])
+    assert llm.engine.runner.graphs.num_replays > 0  # type: ignore[attr-defined]
+    assert graph == eager
+
+
+@on_gpu
+def test_gpu_path_matches_torch_reference(tiny_dir: Path) -> None:
+    """Acceptance: 8 prompts x 64 greedy steps, Triton kernels + graphs on the GPU (fp32)
+    against the torch reference on the CPU (fp32)."""
+    gpu_tokens, _ = _generate(tiny_dir, PROMPTS, [64] * 8, dtype="float32")
+    cpu_tokens, _ = _generate(tiny_dir, PROMPTS, [64] * 8, dtype="float32", device="cpu")
+    assert gpu_tokens == cpu_tokens
+
+
+@on_gpu
+def test_sleep_wake_recaptures(tiny_dir: Path) -> None:
+    from tidal_engine import SamplingParams
+
+    first, llm = _generate(tiny_dir, PROMPTS, [24] * 8, max_num_seqs=8)
+    engine = llm.engine  # type: ignore[attr-defined]
+    for level in (1, 2):
+        engine.sleep(level)
+        assert engine.runner.graphs is None
+        engine.wake_up()
+        assert engine.runner.graphs is not None
+        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+        again = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]  # type: ignore[attr-defined]
+        assert again == first
