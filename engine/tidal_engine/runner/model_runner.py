@@ -287,19 +287,25 @@ class ModelRunner:
         self._maybe_recapture()
 
     def offload_weights(self) -> None:
-        """Level 1: keep the weights in host memory (pinned on CUDA) for a fast wake."""
+        """Level 1: move the weights into a host-memory store (pinned on CUDA) for a fast wake.
+        The model keeps empty placeholders, so nothing of it stays on the device. (On a CPU
+        engine the store is the same RAM: only level 2 frees memory there.)"""
         pin = self.device.type == "cuda"
         self._drop_cuda_graphs()  # they point at the weights' device addresses
+        store: list[torch.Tensor] = []
         with torch.no_grad():
             for tensor in _module_tensors(self.model):
                 host = tensor.data.to("cpu")
-                tensor.data = host.pin_memory() if pin else host
+                store.append(host.pin_memory() if pin else host)
+                tensor.data = torch.empty(0, dtype=tensor.dtype, device=self.device)
+        self._offloaded_weights = store
         _free_device_memory(self.device)
 
     def onload_weights(self) -> None:
         with torch.no_grad():
-            for tensor in _module_tensors(self.model):
-                tensor.data = tensor.data.to(self.device, non_blocking=True)
+            for tensor, host in zip(_module_tensors(self.model), self._offloaded_weights):
+                tensor.data = host.to(self.device, non_blocking=True)
+        self._offloaded_weights = []
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._maybe_recapture()
@@ -323,7 +329,8 @@ class ModelRunner:
         """Bytes held on the engine's device by the weights and the KV cache."""
         weights = sum(t.numel() * t.element_size() for t in _module_tensors(self.model) if t.device == self.device)
         kv = sum(t.numel() * t.element_size() for t in self.kv_caches)
-        return {"weights_bytes": weights, "kv_cache_bytes": kv}
+        offloaded = sum(t.numel() * t.element_size() for t in getattr(self, "_offloaded_weights", []))
+        return {"weights_bytes": weights, "kv_cache_bytes": kv, "offloaded_weights_bytes": offloaded}
 
 
 def choose_attention_backend(device: torch.device) -> AttentionBackend:
