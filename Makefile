@@ -18,9 +18,10 @@ $(VENV)/.installed: engine/pyproject.toml operator/pyproject.toml requirements-t
 
 setup: $(VENV)/.installed
 
+# The local stack (emulated API server, kubelet, operator, router) with examples/quickstart.yaml;
+# prints a working curl. `.venv/bin/tidal dev down` stops it all.
 up: setup
-	$(VENV)/bin/tidal-engine generate --model smollm2-135m --max-tokens 32 \
-	  --chat "What is the capital of France?"
+	$(VENV)/bin/tidal dev up -f examples/quickstart.yaml
 
 # pytest exits 5 when it collects nothing; that is not a failure of the suite.
 test: setup

@@ -84,7 +84,7 @@ def flag(argv: list[str], name: str) -> str:
 def test_args_bundled_cpu() -> None:
     argv = engine_args(SPECS["bundled-cpu"], "smollm2")
     assert argv[:3] == ["tidal-engine", "serve", "smollm2-135m"]
-    assert flag(argv, "--host") == "0.0.0.0" and flag(argv, "--port") == "8000"
+    assert flag(argv, "--host") == "$(POD_IP)" and flag(argv, "--port") == "8000"
     assert flag(argv, "--served-model-name") == "smollm2" and flag(argv, "--max-model-len") == "2048"
     assert flag(argv, "--tensor-parallel-size") == "1" and flag(argv, "--pipeline-parallel-size") == "1"
     assert flag(argv, "--dtype") == "auto" and flag(argv, "--kv-cache-memory-bytes") == str(256 * 2**20)

@@ -14,13 +14,15 @@ import asyncio
 import dataclasses
 import json
 import logging
+import re
 import threading
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
-from .objects import ApiError, ObjectApi
+from .objects import CRD_KEY, ApiError, ObjectApi
 from .store import Obj, ResourceType, Selector, SelectorError, Store, Watcher
 
 log = logging.getLogger(__name__)
@@ -38,6 +40,132 @@ def _json(data: Any, status: int = 200) -> web.Response:
 
 def _truthy(value: str | None) -> bool:
     return value is not None and value.lower() in ("1", "true", "yes")
+
+
+# --- Table output (kubectl's `Accept: application/json;as=Table;v=v1;g=meta.k8s.io`) ---------------
+# kubectl prints whatever cells the server sends; without Tables it falls back to NAME/AGE.
+
+def wants_table(accept: str) -> bool:
+    """True when the client accepts a meta.k8s.io Table (it lists plain JSON as a fallback)."""
+    return any("as=Table" in part and "g=meta.k8s.io" in part for part in accept.split(","))
+
+
+def human_age(timestamp: str | None, now: datetime | None = None) -> str:
+    """A short age as kubectl shows it: 42s, 5m10s, 3h, 2d5h, 12d, 2y."""
+    if not timestamp:
+        return "<unknown>"
+    try:
+        then = datetime.fromisoformat(timestamp.replace("Z", "+00:00"))
+    except ValueError:
+        return "<invalid>"
+    seconds = int(((now or datetime.now(timezone.utc)) - then).total_seconds())
+    if seconds < 0:
+        return "0s"
+    minutes, hours, days = seconds // 60, seconds // 3600, seconds // 86400
+    if seconds < 120:
+        return f"{seconds}s"
+    if minutes < 10:
+        return f"{minutes}m{seconds % 60}s" if seconds % 60 else f"{minutes}m"
+    if hours < 3:
+        return f"{minutes}m"
+    if hours < 8:
+        return f"{hours}h{minutes % 60}m" if minutes % 60 else f"{hours}h"
+    if days < 2:
+        return f"{hours}h"
+    if days < 8:
+        return f"{days}d{hours % 24}h" if hours % 24 else f"{days}d"
+    if days < 365 * 2:
+        return f"{days}d"
+    return f"{days // 365}y"
+
+
+_JSONPATH_TOKEN = re.compile(r"\.([A-Za-z0-9_$-]+)|\[(\d+)\]|\[\?\(@\.([A-Za-z0-9_.]+)\s*==\s*[\"']([^\"']*)[\"']\)\]")
+
+
+def jsonpath_values(obj: Any, path: str) -> list[Any]:
+    """The simple JSONPath subset printer columns use: `.a.b`, `[0]`, and `[?(@.k=="v")]`.
+    Returns every match (a filter may match several)."""
+    current = [obj]
+    pos = 0
+    path = path.strip().removeprefix("{").removesuffix("}").removeprefix("$")
+    while pos < len(path):
+        match = _JSONPATH_TOKEN.match(path, pos)
+        if match is None:
+            return []
+        key, index, filter_key, filter_value = match.groups()
+        nxt: list[Any] = []
+        for value in current:
+            if key is not None and isinstance(value, dict) and key in value:
+                nxt.append(value[key])
+            elif index is not None and isinstance(value, list) and int(index) < len(value):
+                nxt.append(value[int(index)])
+            elif filter_key is not None and isinstance(value, list):
+                for item in value:
+                    found = jsonpath_values(item, "." + filter_key)
+                    if found and str(found[0]) == filter_value:
+                        nxt.append(item)
+        current, pos = nxt, match.end()
+    return current
+
+
+def _cell(values: list[Any], type_: str) -> Any:
+    if not values or values[0] is None:
+        return None
+    if type_ == "date":
+        return human_age(str(values[0]))
+    if len(values) > 1 or isinstance(values[0], (dict, list)):
+        return ",".join(json.dumps(v) if isinstance(v, (dict, list)) else str(v) for v in values)
+    return values[0]
+
+
+def _column(name: str, type_: str = "string", description: str = "", priority: int = 0,
+            format_: str = "") -> Obj:
+    return {"name": name, "type": type_, "format": format_, "description": description, "priority": priority}
+
+
+def _pod_cells(pod: Obj) -> list[Any]:
+    status = pod.get("status") or {}
+    containers = (pod.get("spec") or {}).get("containers") or []
+    statuses = status.get("containerStatuses") or []
+    ready = sum(1 for c in statuses if c.get("ready"))
+    restarts = sum(int(c.get("restartCount") or 0) for c in statuses)
+    reason = status.get("reason") or status.get("phase") or "Pending"
+    for c in statuses:  # a waiting or failed container explains more than the phase
+        state = c.get("state") or {}
+        if (state.get("waiting") or {}).get("reason"):
+            reason = state["waiting"]["reason"]
+        elif (state.get("terminated") or {}).get("reason") and reason == "Running":
+            reason = state["terminated"]["reason"]
+    if (pod.get("metadata") or {}).get("deletionTimestamp"):
+        reason = "Terminating"
+    return [f"{ready}/{len(containers)}", reason, restarts, human_age(pod["metadata"].get("creationTimestamp")),
+            status.get("podIP") or "<none>", (pod.get("spec") or {}).get("nodeName") or "<none>"]
+
+
+def _service_cells(svc: Obj) -> list[Any]:
+    spec = svc.get("spec") or {}
+    ports = ",".join(f"{p.get('port')}/{p.get('protocol', 'TCP')}" for p in spec.get("ports") or []) or "<none>"
+    selector = ",".join(f"{k}={v}" for k, v in (spec.get("selector") or {}).items()) or "<none>"
+    return [spec.get("type", "ClusterIP"), spec.get("clusterIP") or "<none>", "<none>", ports,
+            human_age(svc["metadata"].get("creationTimestamp")), selector]
+
+
+def _event_cells(event: Obj) -> list[Any]:
+    involved = event.get("involvedObject") or {}
+    last = event.get("lastTimestamp") or event.get("eventTime") or event["metadata"].get("creationTimestamp")
+    return [human_age(last), event.get("type", ""), event.get("reason", ""),
+            f"{str(involved.get('kind', '')).lower()}/{involved.get('name', '')}", event.get("message", "")]
+
+
+# Built-in kinds with columns of their own (as kubectl shows them); others get NAME and AGE.
+_BUILTIN_COLUMNS: dict[tuple[str, str], tuple[list[Obj], Callable[[Obj], list[Any]]]] = {
+    ("", "pods"): ([_column("Ready"), _column("Status"), _column("Restarts", "integer"), _column("Age"),
+                    _column("IP", priority=1), _column("Node", priority=1)], _pod_cells),
+    ("", "services"): ([_column("Type"), _column("Cluster-IP"), _column("External-IP"), _column("Port(s)"),
+                        _column("Age"), _column("Selector", priority=1)], _service_cells),
+    ("", "events"): ([_column("Last Seen"), _column("Type"), _column("Reason"), _column("Object"),
+                      _column("Message")], _event_cells),
+}
 
 
 @web.middleware
@@ -214,14 +342,24 @@ class ApiServer:
         dry_run = bool(query.get("dryRun"))
         method = request.method
         if method == "GET":
+            table = sub is None and wants_table(request.headers.get("Accept", ""))
+            include = query.get("includeObject", "PartialObjectMetadata")
             if name is None:
                 selector = Selector.parse(query.get("labelSelector"), query.get("fieldSelector"))
                 if _truthy(query.get("watch")):
-                    return await self._watch(request, rt, version, namespace, selector)
-                return _json(self._list(rt, version, namespace, selector))
+                    return await self._watch(request, rt, version, namespace, selector,
+                                             table_include=include if table else None)
+                listing = self._list(rt, version, namespace, selector)
+                if table:
+                    return _json(self.table(rt, version, listing["items"], include,
+                                            listing["metadata"]["resourceVersion"]))
+                return _json(listing)
             if sub == "log":
                 return self._pod_log(namespace or "", name, query)
-            return _json(self.api.present(self.api.get(rt, namespace, name), rt, version))
+            obj = self.api.present(self.api.get(rt, namespace, name), rt, version)
+            if table:
+                return _json(self.table(rt, version, [obj], include, obj["metadata"].get("resourceVersion", "")))
+            return _json(obj)
         if method == "POST" and name is None:
             obj = self.api.create(rt, namespace, await self._body(request), version=version, dry_run=dry_run)
             return _json(self.api.present(obj, rt, version), 201)
@@ -277,6 +415,47 @@ class ApiServer:
         return {"kind": f"{rt.kind}List", "apiVersion": rt.api_version(version),
                 "metadata": {"resourceVersion": str(self.store.rv)}, "items": items}
 
+    def _printer_columns(self, rt: ResourceType, version: str) -> list[Obj] | None:
+        """A CRD version's additionalPrinterColumns (None for built-ins and CRDs without)."""
+        crd = self.store.get(CRD_KEY, None, f"{rt.plural}.{rt.group}") if rt.group else None
+        for v in ((crd or {}).get("spec") or {}).get("versions") or []:
+            if v.get("name") == version and v.get("additionalPrinterColumns"):
+                return list(v["additionalPrinterColumns"])
+        return None
+
+    def table(self, rt: ResourceType, version: str, objs: list[Obj], include: str = "PartialObjectMetadata",
+              resource_version: str = "") -> Obj:
+        """A meta.k8s.io/v1 Table of `objs`: the CRD's printer columns, a built-in's usual
+        columns, or NAME and AGE."""
+        name_column = _column("Name", format_="name", description="Name must be unique within a namespace.")
+        printer = self._printer_columns(rt, version)
+        builtin = _BUILTIN_COLUMNS.get(rt.key) if printer is None else None
+        if printer is not None:
+            columns = [name_column] + [_column(c["name"], c.get("type", "string"), c.get("description", ""),
+                                               int(c.get("priority", 0)), c.get("format", "")) for c in printer]
+        elif builtin is not None:
+            columns = [name_column] + builtin[0]
+        else:
+            columns = [name_column, _column("Age", "date")]
+        rows = []
+        for obj in objs:
+            meta = obj.get("metadata") or {}
+            if printer is not None:
+                cells = [meta.get("name")] + [_cell(jsonpath_values(obj, c.get("jsonPath", "")),
+                                                    c.get("type", "string")) for c in printer]
+            elif builtin is not None:
+                cells = [meta.get("name")] + builtin[1](obj)
+            else:
+                cells = [meta.get("name"), human_age(meta.get("creationTimestamp"))]
+            row: Obj = {"cells": cells}
+            if include == "Object":
+                row["object"] = obj
+            elif include != "None":
+                row["object"] = {"kind": "PartialObjectMetadata", "apiVersion": "meta.k8s.io/v1", "metadata": meta}
+            rows.append(row)
+        return {"kind": "Table", "apiVersion": "meta.k8s.io/v1", "metadata": {"resourceVersion": resource_version},
+                "columnDefinitions": columns, "rows": rows}
+
     def _pod_log(self, namespace: str, name: str, query: Any) -> web.Response:
         pod = self.api.get(self.api.types[("", "pods")], namespace, name)
         containers = [c.get("name") for c in pod.get("spec", {}).get("containers", [])]
@@ -293,7 +472,7 @@ class ApiServer:
     # --- watch -----------------------------------------------------------------------------------
 
     async def _watch(self, request: web.Request, rt: ResourceType, version: str, namespace: str | None,
-                     selector: Selector) -> web.StreamResponse:
+                     selector: Selector, table_include: str | None = None) -> web.StreamResponse:
         query = request.query
         watcher = Watcher(rt.key, namespace, selector, asyncio.Queue())
         since = query.get("resourceVersion")
@@ -324,9 +503,10 @@ class ApiServer:
                 status = ApiError(410, "Expired", f"too old resource version: {since} ({self.store.compacted_rv})")
                 await self._send(response, "ERROR", status.status())
                 return response
+            send = self._sender(response, rt, version, table_include)
             for event, obj in backlog:
-                await self._send(response, event, self.api.present(obj, rt, version))
-            await self._stream(request, response, watcher, rt, version)
+                await send(event, obj)
+            await self._stream(request, response, watcher, rt, version, send)
         except (ConnectionResetError, asyncio.CancelledError):
             pass
         finally:
@@ -334,8 +514,19 @@ class ApiServer:
             self._watchers.discard(watcher)
         return response
 
+    def _sender(self, response: web.StreamResponse, rt: ResourceType, version: str, table_include: str | None
+                ) -> Callable[[str, Obj], Awaitable[None]]:
+        """Sends one watch event; as a one-row Table when the client asked for Tables."""
+        async def send(event: str, obj: Obj) -> None:
+            presented = self.api.present(obj, rt, version)
+            if table_include is not None:
+                presented = self.table(rt, version, [presented], table_include,
+                                       presented["metadata"].get("resourceVersion", ""))
+            await self._send(response, event, presented)
+        return send
+
     async def _stream(self, request: web.Request, response: web.StreamResponse, watcher: Watcher,
-                      rt: ResourceType, version: str) -> None:
+                      rt: ResourceType, version: str, send: Callable[[str, Obj], Awaitable[None]]) -> None:
         loop = asyncio.get_running_loop()
         timeout = request.query.get("timeoutSeconds")
         deadline = loop.time() + float(timeout) if timeout else None
@@ -361,7 +552,7 @@ class ApiServer:
             if item is None:  # the server is stopping
                 return
             event, obj = item
-            await self._send(response, event, self.api.present(obj, rt, version))
+            await send(event, obj)
 
     @staticmethod
     async def _send(response: web.StreamResponse, event: str, obj: Obj) -> None:

@@ -181,7 +181,11 @@ class ContainerRuntime:
             return
         deadline = time.monotonic() + grace_s
         hook = (self.spec.get("lifecycle") or {}).get("preStop")
-        if pre_stop and hook:
+        if pre_stop and hook and "sleep" in hook:
+            # The `sleep` action (Kubernetes 1.30+): a pause that lets endpoints and routers
+            # stop sending to this Pod before it gets SIGTERM.
+            await asyncio.sleep(min(float(hook["sleep"].get("seconds", 0)), grace_s))
+        elif pre_stop and hook:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.pod.kubelet.run_probe(hook, self.pod, self.spec), max(grace_s, 0.1))
         for sig in (signal.SIGTERM, signal.SIGKILL):

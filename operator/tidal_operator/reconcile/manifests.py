@@ -24,6 +24,10 @@ HF_CACHE_DIR = "/models/hf-cache"
 ADAPTERS_DIR = "/adapters"
 API_KEY_ENV = "TIDAL_API_KEY"
 HF_TOKEN_ENV = "HF_TOKEN"
+# The engine binds to the Pod's own IP, given by the downward API. Correct on a real
+# cluster (probes and Services reach the Pod IP) and under `tidal dev`, where every local
+# Pod is a process on its own 127.0.0.N and binding 0.0.0.0 would collide on the port.
+POD_IP_ENV = "POD_IP"
 STARTUP_PERIOD_SECONDS = 10
 POD_NAME_MAX = 63  # Pod names double as hostnames under the headless Service: a DNS label.
 
@@ -94,14 +98,14 @@ def _secret_env(name: str, secret: str, key: str) -> dict[str, Any]:
 
 # --- engine command line ---------------------------------------------------------------
 
-def engine_args(spec: LLMServiceSpec | Mapping[str, Any], name: str) -> list[str]:
+def engine_args(spec: LLMServiceSpec | Mapping[str, Any], name: str, config: OperatorConfig | None = None) -> list[str]:
     """The engine's full command line: `tidal-engine serve <model> --flag ...`, with
     spec.engine.args last so they override anything derived here (argparse: last wins)."""
     s = _spec(spec)
     src = model_source(s)
     e = s.engine
     argv = ["tidal-engine", "serve", src.model_arg, *src.extra_args,
-            "--host", "0.0.0.0", "--port", str(e.port),
+            "--host", f"$({POD_IP_ENV})", "--port", str(e.port),
             "--served-model-name", s.served_name(name)]
     if s.model.max_model_len is not None:
         argv += ["--max-model-len", str(s.model.max_model_len)]
@@ -124,6 +128,10 @@ def engine_args(spec: LLMServiceSpec | Mapping[str, Any], name: str) -> list[str
         argv += ["--kv-cache-dtype", s.quantization.kv_cache]
     if s.lora is not None:
         argv += ["--enable-lora", "--max-loras", str(s.lora.max_adapters), "--max-lora-rank", str(s.lora.max_rank)]
+        # Where the LoRA controller may load adapters from at run time (the engine refuses any
+        # other path): the model volumes, the adapters scratch dir and the file:// roots.
+        roots = [MODELS_ROOT, ADAPTERS_DIR, *(config.allowed_file_roots if config is not None else ())]
+        argv += ["--allowed-lora-roots", *dict.fromkeys(roots)]
     if s.sleep is not None:
         argv.append("--enable-sleep-mode")
     return argv + list(e.args)
@@ -200,7 +208,9 @@ def pod_labels(llm_name: str, index: int, spec: LLMServiceSpec) -> dict[str, str
 
 
 def _env(spec: LLMServiceSpec, src: ModelSource) -> list[dict[str, Any]]:
-    env: list[dict[str, Any]] = [dict(e) for e in src.env]
+    # POD_IP first: `$(POD_IP)` in args (and in later env values) can only refer to it then.
+    env: list[dict[str, Any]] = [{"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
+    env += [dict(e) for e in src.env]
     if spec.auth is not None:
         ref = spec.auth.api_key_secret_ref
         env.append(_secret_env(API_KEY_ENV, ref.name, ref.key))
@@ -244,7 +254,7 @@ def pod_manifest(llm: Mapping[str, Any], index: int, config: OperatorConfig) -> 
     spec = _spec(llm["spec"])
     hash_ = spec_hash(spec, config)
     src = model_source(spec)
-    argv = engine_args(spec, name)
+    argv = engine_args(spec, name, config)
 
     volumes = list(src.volumes)
     mounts = list(src.mounts)

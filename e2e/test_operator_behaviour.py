@@ -1,0 +1,194 @@
+"""Operator behaviour on `tidal dev` with the real kubectl, using fake engines (the kubelet
+marks Pods Ready without running a process): invalid specs, drift, a restart mid-reconcile,
+and the schemas of everything generated. No real engine is needed to show any of these, and
+the CPU is saved for the quickstart tests.
+
+On a real cluster the CRD's schema and CEL rules reject some of these invalid specs at
+`kubectl apply` already (a bad URI scheme, an unknown quantization, negative replicas). The
+emulated API server validates nothing, so each one reaches the operator, whose own
+validation must catch it: that is what these tests check.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+BOUND_S = 30  # anything with fake engines settles far sooner
+
+
+def llmservice(name: str, **spec: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": {"uri": "bundled://smollm2-135m", "maxModelLen": 512}, "replicas": 1}
+    for key, value in spec.items():
+        body[key] = value
+    return {"apiVersion": "tidal.dev/v1alpha1", "kind": "LLMService", "metadata": {"name": name}, "spec": body}
+
+
+def apply(stack: Any, *objs: dict[str, Any]) -> None:
+    stack.kubectl("apply", "-f", "-", input="\n---\n".join(yaml.safe_dump(o) for o in objs))
+
+
+INVALID = {
+    # name: (the invalid object, the fix as a merge patch, what the message must mention)
+    "bad-scheme": (llmservice("bad-scheme", model={"uri": "s3://bucket/model"}),
+                   {"spec": {"model": {"uri": "bundled://smollm2-135m"}}}, "unsupported URI scheme"),
+    "bad-quant": (llmservice("bad-quant", quantization={"weights": "int3"}),
+                  {"spec": {"quantization": {"weights": "none"}}}, "spec.quantization.weights"),
+    "bad-gpus": (llmservice("bad-gpus", parallelism={"tensor": 2, "pipeline": 2},
+                            engine={"resources": {"gpu": 2}}),
+                 {"spec": {"parallelism": {"tensor": 1, "pipeline": 2}}}, "tensor (2) x pipeline (2) = 4"),
+    "bad-replicas": (llmservice("bad-replicas", replicas=-1), {"spec": {"replicas": 1}}, "spec.replicas"),
+    "no-secret": (llmservice("no-secret", auth={"apiKeySecretRef": {"name": "no-secret-key"}}),
+                  None, "Secret 'no-secret-key'"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(INVALID))
+def test_invalid_spec_gives_no_pod_then_proceeds_once_fixed(fake_stack: Any, name: str) -> None:
+    obj, fix, mention = INVALID[name]
+    apply(fake_stack, obj)
+    validated = fake_stack.wait_for(lambda: (c := fake_stack.condition(name, "Validated")).get("status") == "False"
+                                    and c, BOUND_S, f"{name}: Validated=False")
+    assert mention in validated["message"], validated
+    assert fake_stack.llm(name)["status"]["phase"] == "Failed"
+    warning = fake_stack.wait_for(lambda: [e for e in fake_stack.events(name)
+                                           if e["type"] == "Warning" and e["reason"] == "InvalidSpec"],
+                                  BOUND_S, f"{name}: an InvalidSpec Event")
+    assert mention in warning[0]["message"]
+    assert fake_stack.pods(name) == []
+
+    if fix is None:  # the missing Secret: create it (the operator rechecks unsettled objects)
+        secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "no-secret-key"},
+                  "stringData": {"api-key": "engine-key"}}
+        apply(fake_stack, secret)
+    else:
+        fake_stack.kubectl("patch", "llm", name, "--type=merge", "-p", json.dumps(fix))
+    fake_stack.wait_ready(name, BOUND_S)
+    assert fake_stack.condition(name, "Validated")["status"] == "True"
+    assert len(fake_stack.pods(name)) == 1
+    fake_stack.kubectl("delete", "llm", name, "--wait=false")
+
+
+def test_deleted_pod_is_recreated(fake_stack: Any) -> None:
+    apply(fake_stack, llmservice("drift-delete"))
+    fake_stack.wait_ready("drift-delete", BOUND_S)
+    (pod,) = fake_stack.pods("drift-delete")
+    # --wait=false, then our own bounded wait: `kubectl delete --wait` was seen to hang now and
+    # then against the emulated API server when the Pod is replaced within milliseconds.
+    fake_stack.kubectl("delete", "pod", pod["metadata"]["name"], "--wait=false")
+
+    def replaced() -> bool:
+        pods = fake_stack.pods("drift-delete")
+        return len(pods) == 1 and pods[0]["metadata"]["uid"] != pod["metadata"]["uid"] and \
+            pods[0]["metadata"].get("deletionTimestamp") is None and \
+            fake_stack.llm("drift-delete")["status"]["phase"] == "Ready"
+    fake_stack.wait_for(replaced, BOUND_S, "a new Pod, Ready")
+
+
+def test_edited_labels_are_restored(fake_stack: Any) -> None:
+    apply(fake_stack, llmservice("drift-labels"))
+    fake_stack.wait_ready("drift-labels", BOUND_S)
+    (pod,) = fake_stack.pods("drift-labels")
+    name, labels = pod["metadata"]["name"], pod["metadata"]["labels"]
+    # One label changed, one removed, and the selector label itself removed.
+    fake_stack.kubectl("label", "pod", name, "app.kubernetes.io/component=hacked", "--overwrite")
+    fake_stack.kubectl("label", "pod", name, "tidal.dev/replica-index-", "tidal.dev/llmservice-")
+
+    def restored() -> bool:
+        now = fake_stack.get("pod", name)["metadata"]["labels"]
+        return all(now.get(k) == v for k, v in labels.items())
+    fake_stack.wait_for(restored, BOUND_S, "the Pod's labels restored")
+    # Restored in place: no replacement Pod.
+    assert [p["metadata"]["name"] for p in fake_stack.pods("drift-labels")] == [name]
+    # A label someone added by hand is not the operator's: left alone.
+    fake_stack.kubectl("label", "pod", name, "team=ml")
+    fake_stack.wait_ready("drift-labels", BOUND_S)
+    assert fake_stack.get("pod", name)["metadata"]["labels"]["team"] == "ml"
+
+
+def _operator_pid(stack: Any) -> int:
+    return int((stack.state_dir / "pids" / "operator.pid").read_text())
+
+
+# Enough replicas that the operator's create loop is still running when the first Pod shows
+# up in the watch and the operator is killed (3 creates take only a few milliseconds).
+REPLICAS = 12
+
+
+def test_operator_killed_mid_reconcile_creates_no_duplicates(fake_stack: Any) -> None:
+    with fake_stack.watch_pods("tidal.dev/llmservice=restart") as watch:
+        apply(fake_stack, llmservice("restart", replicas=REPLICAS))
+        # Kill the operator right after its first Pod create, before it finishes the plan.
+        fake_stack.wait_for(lambda: watch.events, BOUND_S, "the first Pod created", interval_s=0.01)
+        os.kill(_operator_pid(fake_stack), signal.SIGKILL)
+        created_before_kill = {o["metadata"]["name"] for _, _, o in watch.events}
+        print(f"{len(created_before_kill)} of {REPLICAS} Pods seen when the operator was killed")
+        fake_stack.tidal("up", "--no-apply", "--no-router")  # restarts only the operator
+        fake_stack.wait_ready("restart", BOUND_S)
+        pods = fake_stack.pods("restart")
+        names = [p["metadata"]["name"] for p in pods]
+        assert len(names) == REPLICAS and len(set(names)) == REPLICAS, names
+        ever = {o["metadata"]["name"] for _, _, o in watch.events}
+        assert ever == set(names), f"a Pod beyond the wanted ones was created: {sorted(ever)}"
+        assert created_before_kill <= ever
+    assert fake_stack.llm("restart")["status"]["replicasText"] == f"{REPLICAS}/{REPLICAS}"
+
+
+def test_generated_objects_pass_kubernetes_validate(fake_stack: Any) -> None:
+    """Every Pod and Service the operator made in this module, against the official schemas."""
+    objs = [o for o in fake_stack.get("pods,services")["items"]
+            if o["metadata"].get("labels", {}).get("app.kubernetes.io/managed-by") == "tidal-operator"]
+    assert len(objs) >= 4
+    fake_stack.validate_generated(objs)
+
+
+def test_deleting_the_llmservice_removes_pods_and_service(fake_stack: Any) -> None:
+    fake_stack.kubectl("delete", "llm", "restart", "--wait=true", "--timeout=60s")
+    fake_stack.wait_for(lambda: not fake_stack.pods("restart"), BOUND_S, "the Pods gone")
+    assert "NotFound" in fake_stack.kubectl("get", "service", "restart", check=False)
+
+
+def test_kubectl_get_prints_the_printer_columns(fake_stack: Any) -> None:
+    """The emulated API server answers kubectl's Table requests (additionalPrinterColumns)."""
+    apply(fake_stack, llmservice("tables", replicas=2))
+    fake_stack.wait_ready("tables", BOUND_S)
+    header, *rows = fake_stack.kubectl("get", "llm", "tables").splitlines()
+    assert header.split() == ["NAME", "MODEL", "READY", "PHASE", "ENDPOINT", "AGE"]
+    assert rows[0].split()[:4] == ["tables", "bundled://smollm2-135m", "2/2", "Ready"]
+    wide = fake_stack.kubectl("get", "llm", "tables", "-o", "wide").splitlines()[0].split()
+    assert wide[-3:] == ["SERVED", "SLEEPING", "REASON"]
+    header, *rows = fake_stack.kubectl("get", "pods", "-l", "tidal.dev/llmservice=tables").splitlines()
+    assert header.split() == ["NAME", "READY", "STATUS", "RESTARTS", "AGE"]
+    assert len(rows) == 2 and all(r.split()[1:3] == ["1/1", "Running"] for r in rows)
+    fake_stack.kubectl("delete", "llm", "tables", "--wait=false")
+
+
+def test_dev_up_applies_waits_and_prints_how_to_reach_it(tmp_path: Path) -> None:
+    """`tidal dev up -f FILE` on a stack of its own: apply, wait for Ready, print a curl."""
+    import subprocess
+    import sys
+
+    def tidal(*args: str) -> str:
+        result = subprocess.run([sys.executable, "-m", "tidal_operator.cli", "dev", "--state-dir", str(tmp_path),
+                                 *args], capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert result.returncode == 0, result.stdout + result.stderr
+        return result.stdout
+
+    try:
+        out = tidal("up", "-f", str(ROOT / "examples" / "quickstart.yaml"), "--fake-engines", "--no-router",
+                    "--timeout", "60")
+        assert "applied LLMService default/smollm2" in out and "smollm2 is Ready" in out
+        assert "curl -s http://127.0.0.2:8000/v1/chat/completions" in out
+        assert f"export KUBECONFIG={tmp_path.resolve()}/kubeconfig" in out
+        status = tidal("status")
+        assert "default/smollm2: Ready 1/1" in status and "operator      running" in status
+    finally:
+        assert "controlplane" in tidal("down")
+    assert "nothing was running" in tidal("down")

@@ -1,0 +1,141 @@
+"""The quickstart on `tidal dev` with real engines (SmolLM2-135M on CPU) and the real kubectl:
+apply → a running engine → Ready 1/1 → "Paris" (direct and through the router) → a rolling
+update with surge while requests keep succeeding → schemas → delete, processes gone.
+
+The tests share one stack and run in file order (each builds on the previous state).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+import urllib.error
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+ENGINE_READY_BOUND_S = 120  # apply → Ready with a real engine, on 2 shared CPU cores
+NAME = "smollm2"
+
+
+def _ready(pod: dict[str, Any]) -> bool:
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in (pod.get("status") or {}).get("conditions") or [])
+
+
+def test_apply_quickstart_runs_a_real_engine(real_stack: Any) -> None:
+    started = time.monotonic()
+    real_stack.kubectl("apply", "-f", str(ROOT / "examples" / "quickstart.yaml"))
+    llm = real_stack.wait_ready(NAME, ENGINE_READY_BOUND_S)
+    took = time.monotonic() - started
+    print(f"quickstart Ready in {took:.1f}s")
+
+    pods = real_stack.pods(NAME)
+    assert len(pods) == 1 and _ready(pods[0])
+    container = pods[0]["spec"]["containers"][0]
+    assert container["command"] == ["tidal-engine", "serve"] and "$(POD_IP)" in container["args"]
+    # The kubelet runs it as a real local process.
+    pids = real_stack.engine_pids()
+    assert any(pods[0]["metadata"]["name"] in key for key in pids), pids
+
+    table = real_stack.kubectl("get", "llm")
+    header, row = table.splitlines()[:2]
+    assert header.split()[:6] == ["NAME", "MODEL", "READY", "PHASE", "ENDPOINT", "AGE"]
+    assert row.split()[:5] == [NAME, "bundled://smollm2-135m", "1/1", "Ready",
+                               "http://smollm2.default.svc.cluster.local:8000/v1"]
+    assert llm["status"]["endpoint"] == "http://smollm2.default.svc.cluster.local:8000/v1"
+
+    pod_ip = pods[0]["status"]["podIP"]
+    assert "Paris" in real_stack.chat(f"http://{pod_ip}:8000", NAME)
+    assert "Paris" in real_stack.chat(real_stack.router_url, NAME, real_stack.api_key)
+
+
+def test_spec_change_rolls_with_surge_and_requests_keep_succeeding(real_stack: Any) -> None:
+    (old,) = real_stack.pods(NAME)
+    old_name = old["metadata"]["name"]
+    results: list[str] = []
+    failures: list[str] = []
+    stop = threading.Event()
+
+    def client() -> None:
+        # Sequential requests through the router for the whole rollout.
+        while not stop.is_set():
+            try:
+                results.append(real_stack.chat(real_stack.router_url, NAME, real_stack.api_key, timeout=60))
+            except (urllib.error.URLError, OSError, ValueError, KeyError) as exc:
+                failures.append(repr(exc))
+
+    with real_stack.watch_pods(f"tidal.dev/llmservice={NAME}") as watch:
+        thread = threading.Thread(target=client, daemon=True)
+        thread.start()
+        real_stack.wait_for(lambda: results, 60, "a first request through the router")
+        real_stack.kubectl("patch", "llm", NAME, "--type=merge", "-p",
+                           json.dumps({"spec": {"model": {"maxModelLen": 1536}}}))
+        llm = real_stack.wait_ready(NAME, ENGINE_READY_BOUND_S + 60)
+        real_stack.wait_for(lambda: [p["metadata"]["name"] for p in real_stack.pods(NAME)] != [old_name]
+                 and len(real_stack.pods(NAME)) == 1, 90, "the old Pod gone")
+        served_after = len(results)
+        real_stack.wait_for(lambda: len(results) > served_after, 60, "a request served by the new Pod")
+        stop.set()
+        thread.join(90)
+
+    (new,) = real_stack.pods(NAME)
+    new_name = new["metadata"]["name"]
+    assert new_name != old_name and new["metadata"]["annotations"]["tidal.dev/spec-hash"] == llm["status"]["specHash"]
+    assert "--max-model-len" in new["spec"]["containers"][0]["args"]
+    assert new["spec"]["containers"][0]["args"][new["spec"]["containers"][0]["args"].index("--max-model-len") + 1] == "1536"
+
+    # Ordering, from the watch: the new Pod was Ready before the old one began terminating.
+    events = watch.events
+    new_ready_at = next(i for i, (_, _, obj) in enumerate(events)
+                        if obj["metadata"]["name"] == new_name and _ready(obj))
+    old_terminating_at = next(i for i, (_, kind, obj) in enumerate(events) if obj["metadata"]["name"] == old_name
+                              and (kind == "DELETED" or obj["metadata"].get("deletionTimestamp")))
+    assert new_ready_at < old_terminating_at, [(k, o["metadata"]["name"]) for _, k, o in events]
+    # Surge 1: never more than two live Pods at once.
+    live: set[str] = set()
+    most = 0
+    for _, kind, obj in events:
+        name = obj["metadata"]["name"]
+        if kind == "DELETED" or obj["metadata"].get("deletionTimestamp"):
+            live.discard(name)
+        else:
+            live.add(name)
+        most = max(most, len(live))
+    assert most <= 2
+
+    assert not failures, failures
+    assert len(results) >= 3 and all("Paris" in r for r in results), results
+
+
+def test_generated_objects_pass_kubernetes_validate(real_stack: Any) -> None:
+    objs = real_stack.pods(NAME) + [real_stack.get("service", NAME)]
+    assert len(objs) == 2
+    real_stack.validate_generated(objs)
+
+
+def test_delete_removes_pods_service_and_processes(real_stack: Any) -> None:
+    pids = real_stack.engine_pids()
+    assert pids
+    real_stack.kubectl("delete", "llm", NAME, "--wait=true", "--timeout=120s")
+    real_stack.wait_for(lambda: not real_stack.pods(NAME), 120, "the engine Pods gone")
+    real_stack.wait_for(lambda: "NotFound" in real_stack.kubectl("get", "service", NAME, check=False), 30, "the Service gone")
+
+    def processes_ended() -> bool:
+        alive = []
+        for pid in pids.values():
+            try:
+                os.kill(pid, 0)
+                alive.append(pid)
+            except ProcessLookupError:
+                pass
+        return not alive
+    real_stack.wait_for(processes_ended, 90, f"engine processes {sorted(pids.values())} ended")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    pytest.main([__file__, "-v"])

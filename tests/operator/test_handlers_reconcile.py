@@ -1,0 +1,241 @@
+"""The operator's reconcile pass (handlers.reconcile) against the in-process emulated API
+server, without kopf or a kubelet: Pod readiness is written by the test. Plus the small pure
+helpers of handlers.py."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import pytest
+
+from tidal_operator import handlers as H
+from tidal_operator import labels as L
+from tidal_operator.api.types import OperatorConfig
+from tidal_operator.dev import start_apiserver, write_kubeconfig
+from tidal_operator.kube import Kube
+
+CRDS = Path(__file__).resolve().parents[2] / "crds"
+CONFIG = OperatorConfig()
+NS = "default"
+
+
+def body(name: str = "m", **spec: Any) -> dict[str, Any]:
+    s: dict[str, Any] = {"model": {"uri": "bundled://smollm2-135m"}, "replicas": 1, **spec}
+    return {"apiVersion": L.API_VERSION, "kind": L.KIND, "metadata": {"name": name, "namespace": NS}, "spec": s}
+
+
+@pytest.fixture
+async def kube(tmp_path: Path) -> AsyncIterator[Kube]:
+    handle = await start_apiserver(crd_dir=CRDS)
+    client = await Kube.connect(str(write_kubeconfig(tmp_path / "kubeconfig", handle.url)))
+    try:
+        yield client
+    finally:
+        await client.close()
+        await handle.stop()
+
+
+async def create(kube: Kube, obj: dict[str, Any]) -> dict[str, Any]:
+    return await kube.request("POST", f"/apis/{L.GROUP}/{L.VERSION}/namespaces/{NS}/{L.PLURAL}", body=obj)
+
+
+async def pods(kube: Kube, name: str = "m") -> list[dict[str, Any]]:
+    return await kube.list_pods(NS, L.selector_string(name))
+
+
+async def set_ready(kube: Kube, pod: str, ready: bool = True) -> None:
+    value = "True" if ready else "False"
+    await kube.request("PATCH", f"/api/v1/namespaces/{NS}/pods/{pod}/status", content_type="application/merge-patch+json",
+                       body={"status": {"phase": "Running", "podIP": "127.0.0.9",
+                                        "conditions": [{"type": "Ready", "status": value}]}})
+
+
+async def run(kube: Kube, name: str = "m") -> H.Outcome | None:
+    return await H.reconcile(kube, CONFIG, NS, name)
+
+
+async def events(kube: Kube, reason: str) -> list[dict[str, Any]]:
+    listing = await kube.request("GET", f"/api/v1/namespaces/{NS}/events")
+    return [e for e in listing["items"] if e["reason"] == reason]
+
+
+async def test_creates_service_and_pod_then_reports_ready(kube: Kube) -> None:
+    await create(kube, body())
+    outcome = await run(kube)
+    assert outcome is not None and outcome.valid and len(outcome.created) == 1 and not outcome.converged
+    (pod,) = await pods(kube)
+    assert pod["metadata"]["ownerReferences"][0]["kind"] == L.KIND
+    assert (await kube.get_service(NS, "m"))["spec"]["clusterIP"] == "None"
+    llm = await kube.get_llmservice(NS, "m")
+    assert llm["status"]["phase"] == "Pending" and llm["status"]["observedGeneration"] == 1
+
+    await set_ready(kube, pod["metadata"]["name"])
+    outcome = await run(kube)
+    assert outcome is not None and outcome.converged and not outcome.created
+    status = (await kube.get_llmservice(NS, "m"))["status"]
+    assert status["phase"] == "Ready" and status["replicasText"] == "1/1"
+    assert await events(kube, "CreatedPod") and await events(kube, "CreatedService")
+
+
+async def test_second_pass_is_a_no_op(kube: Kube) -> None:
+    await create(kube, body(replicas=2))
+    await run(kube)
+    for p in await pods(kube):
+        await set_ready(kube, p["metadata"]["name"])
+    await run(kube)
+    before = await kube.get_llmservice(NS, "m")
+    outcome = await run(kube)
+    assert outcome is not None and outcome.converged and not (outcome.created or outcome.deleted or outcome.repaired)
+    after = await kube.get_llmservice(NS, "m")
+    assert after["metadata"]["resourceVersion"] == before["metadata"]["resourceVersion"]  # no status write
+
+
+async def test_restart_mid_plan_creates_only_the_missing_pods(kube: Kube) -> None:
+    """What an operator killed after its first create leaves behind: one of three Pods. The
+    next pass (a restarted operator) creates exactly the other two."""
+    llm = await create(kube, body(replicas=3))
+    first = H.pod_manifest(llm, 0, CONFIG)
+    assert await kube.create_pod(NS, first)
+    outcome = await run(kube)
+    assert outcome is not None and len(outcome.created) == 2
+    names = sorted(p["metadata"]["name"] for p in await pods(kube))
+    assert len(names) == 3 and first["metadata"]["name"] in names
+    # A create retried by a second operator gets AlreadyExists and is not an error.
+    assert await kube.create_pod(NS, first) is False
+
+
+async def test_invalid_spec_no_pods_condition_and_one_event(kube: Kube) -> None:
+    await create(kube, body(quantization={"weights": "int3"}))
+    outcome = await run(kube)
+    assert outcome is not None and not outcome.valid
+    assert await pods(kube) == []
+    status = (await kube.get_llmservice(NS, "m"))["status"]
+    validated = next(c for c in status["conditions"] if c["type"] == "Validated")
+    assert validated["status"] == "False" and "spec.quantization.weights" in validated["message"]
+    await run(kube)  # the same problem again: no second Event
+    assert len(await events(kube, "InvalidSpec")) == 1
+
+    await kube.request("PATCH", f"/apis/{L.GROUP}/{L.VERSION}/namespaces/{NS}/{L.PLURAL}/m",
+                       content_type="application/merge-patch+json", body={"spec": {"quantization": {"weights": "none"}}})
+    outcome = await run(kube)
+    assert outcome is not None and outcome.valid and len(outcome.created) == 1
+    assert await events(kube, "Validated")
+
+
+async def test_missing_secret_is_a_problem_until_it_exists(kube: Kube) -> None:
+    await create(kube, body(auth={"apiKeySecretRef": {"name": "k"}}))
+    assert (await run(kube)).valid is False  # type: ignore[union-attr]
+    await kube.request("POST", f"/api/v1/namespaces/{NS}/secrets",
+                       body={"metadata": {"name": "k"}, "stringData": {"api-key": "x"}})
+    assert (await run(kube)).valid is True  # type: ignore[union-attr]
+
+
+async def test_rolling_update_keeps_a_ready_pod_until_the_new_one_is_ready(kube: Kube) -> None:
+    await create(kube, body())
+    await run(kube)
+    (old,) = await pods(kube)
+    await set_ready(kube, old["metadata"]["name"])
+    await run(kube)
+    await kube.request("PATCH", f"/apis/{L.GROUP}/{L.VERSION}/namespaces/{NS}/{L.PLURAL}/m",
+                       content_type="application/merge-patch+json", body={"spec": {"model": {"maxModelLen": 1024}}})
+    outcome = await run(kube)
+    assert outcome is not None and len(outcome.created) == 1 and not outcome.deleted  # surge: old one stays
+    new = outcome.created[0]
+    assert (await run(kube)).deleted == ()  # type: ignore[union-attr]  # new not Ready yet
+    await set_ready(kube, new)
+    outcome = await run(kube)
+    assert outcome is not None and outcome.deleted == (old["metadata"]["name"],)
+
+
+async def test_label_drift_is_restored_and_container_drift_replaced(kube: Kube) -> None:
+    await create(kube, body())
+    await run(kube)
+    (pod,) = await pods(kube)
+    name = pod["metadata"]["name"]
+    await set_ready(kube, name)
+    await kube.patch_pod(NS, name, {"metadata": {"labels": {L.APP_COMPONENT: "x", L.REPLICA_INDEX: None},
+                                                 "annotations": {"mine": "kept"}}})
+    outcome = await run(kube)
+    assert outcome is not None and outcome.repaired == (name,)
+    (pod,) = await pods(kube)
+    assert pod["metadata"]["labels"][L.APP_COMPONENT] == "engine" and pod["metadata"]["labels"][L.REPLICA_INDEX] == "0"
+    assert pod["metadata"]["annotations"]["mine"] == "kept"
+
+    await kube.patch_pod(NS, name, {"spec": {"containers": [{"name": "engine", "image": "evil:1"}]}})
+    outcome = await run(kube)
+    assert outcome is not None and len(outcome.created) == 1  # a replacement, rolled in with surge
+
+
+async def test_gone_or_deleting_llmservice_is_left_to_the_garbage_collector(kube: Kube) -> None:
+    assert await run(kube, "absent") is None
+
+
+async def test_reconciler_coalesces_concurrent_triggers(kube: Kube) -> None:
+    await create(kube, body())
+    reconciler = H.Reconciler(kube, CONFIG)
+    outcomes = await asyncio.gather(*(reconciler.run(NS, "m") for _ in range(5)))
+    ran = [o for o in outcomes if o is not None]
+    assert 1 <= len(ran) <= 2  # the running pass, plus at most one queued behind it
+    assert len(await pods(kube)) == 1
+    assert ("default", "m") in reconciler.unsettled  # not Ready yet: the resync revisits it
+
+
+# --- pure helpers -------------------------------------------------------------------------------
+
+def test_referenced_secrets_reads_invalid_specs_leniently() -> None:
+    spec = {"auth": {"apiKeySecretRef": {"name": "a"}}, "model": {"uri": "x", "hfTokenSecretRef": {"name": "h"}}}
+    assert H.referenced_secrets(spec) == ["a", "h"]
+    assert H.referenced_secrets({"auth": "nonsense", "model": None}) == []
+
+
+def test_owner_name_and_replica_index() -> None:
+    pod = {"metadata": {"ownerReferences": [{"apiVersion": "tidal.dev/v1alpha1", "kind": "LLMService", "name": "m",
+                                             "uid": "u", "controller": True}]}}
+    assert H.owner_name(pod) == "m" and H.owned_by(pod, "u") and not H.owned_by(pod, "v")
+    assert H.owner_name({"metadata": {}}) is None
+    assert H.replica_index("m-0123456789-4", "m", "0123456789") == 4
+    assert H.replica_index("m-0123456789-x", "m", "0123456789") is None
+    assert H.replica_index("other-0123456789-1", "m", "0123456789") is None
+
+
+def test_status_patch_sets_changes_and_clears_stale_fields() -> None:
+    old = {"phase": "Ready", "endpoint": "http://x", "desiredReplicas": 3, "scalingHistory": [1]}
+    new = {"phase": "Failed", "conditions": []}
+    assert H.status_patch(new, old) == {"phase": "Failed", "conditions": [], "endpoint": None}
+    assert H.status_patch({"phase": "Ready"}, {"phase": "Ready"}) is None
+
+
+def test_config_from_env() -> None:
+    config = H.config_from_env({H.ENV_DEFAULT_IMAGE: "img:1", H.ENV_ADAPTER_PREFIXES: "hf://, s3://",
+                                H.ENV_NAMESPACE: "ml"})
+    assert config.default_engine_image == "img:1" and config.allowed_adapter_uri_prefixes == ("hf://", "s3://")
+    assert config.namespace == "ml" and config.allowed_file_roots == ()
+    assert H.config_from_env({}) == OperatorConfig()
+
+
+def test_peering_gate_yields_to_a_live_higher_priority_peer() -> None:
+    class FakeKube:
+        def __init__(self, status: dict[str, Any]) -> None:
+            self.status = status
+
+        async def get_peering(self, name: str, namespace: str | None) -> dict[str, Any]:
+            return {"status": self.status}
+
+    import kopf
+    settings = kopf.OperatorSettings()
+    settings.peering.clusterwide = True
+    settings.peering.priority = 10
+    now = datetime.now(timezone.utc).isoformat()
+    old = "2000-01-01T00:00:00+00:00"
+    cases = [({"me": {"priority": 10, "lastseen": now, "lifetime": 60}}, True),
+             ({"other": {"priority": 20, "lastseen": now, "lifetime": 60}}, False),
+             ({"other": {"priority": 20, "lastseen": old, "lifetime": 60}}, True),
+             ({"other": {"priority": 5, "lastseen": now, "lifetime": 60}}, True)]
+    for status, active in cases:
+        gate = H.PeeringGate(FakeKube(status), settings, "me")  # type: ignore[arg-type]
+        assert asyncio.run(gate.active()) is active, status
+    settings.peering.standalone = True
+    assert asyncio.run(H.PeeringGate(FakeKube({"x": {"priority": 99, "lastseen": now}}), settings, "me").active())  # type: ignore[arg-type]
