@@ -182,9 +182,9 @@ def test_chart_crds_are_the_repository_crds() -> None:
         copy = CHART / "crds" / src.name
         assert copy.exists(), f"charts/tidal/crds/{src.name} is missing: cp crds/*.yaml charts/tidal/crds/"
         assert copy.read_bytes() == src.read_bytes(), f"charts/tidal/crds/{src.name} differs from crds/: copy it again"
-    # The only extra file: kopf's peering CRDs (kopf's, not ours).
+    # Nothing else: kopf's peering CRDs live in crds/ too.
     extra = {p.name for p in (CHART / "crds").iterdir()} - {p.name for p in (ROOT / "crds").iterdir()}
-    assert extra == {"kopf.dev_peerings.yaml"}
+    assert extra == set()
 
 
 def test_chart_crds_validate() -> None:
