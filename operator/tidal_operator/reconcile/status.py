@@ -147,7 +147,7 @@ def compute_status(
             cond("Ready", False, "InvalidSpec", "fix the spec: " + message),
             cond("Progressing", False, "InvalidSpec", "nothing is reconciled until the spec is valid"),
             cond("Degraded", False, "InvalidSpec", "no Pods are managed while the spec is invalid"),
-        ]
+        ] + _foreign_conditions(previous_status)
         return out
 
     want = desired if desired is not None else desired_replicas(parsed, previous_status)
