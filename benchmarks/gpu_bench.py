@@ -24,6 +24,7 @@ Benchmarks (suite tidal):
                      prompt again), max_tokens=1, median of 3.
   sleep              device memory before/after sleep level 1 and 2, and wake-up time.
   startup            LLM() construction (load, KV profile, graph capture) seconds.
+TIDAL_BENCH_LLM_OPTS (JSON) adds engine options to every LLM of the run.
 Hardware limit: an HBM read rate of 4.16 TB/s (measured on this machine type, see
 docs/performance.md) and a bf16 matrix rate of 790 TFLOP/s.
 """
@@ -212,6 +213,8 @@ class StepCounter:
         self.decode_steps = 0
         self.context_tokens = 0
         self.tokens = 0
+        mixed = getattr(self.runner, "mixed_graphs", None)
+        self.mixed_replays_at_reset = mixed.num_replays if mixed is not None else 0
         self.execute_s = 0.0  # host wall time inside runner.execute (includes waiting for the GPU)
         self.decode_execute_s = 0.0
         self.replay_events: list[tuple[Any, Any]] = []
@@ -258,6 +261,8 @@ class StepCounter:
             "runner_execute_s": self.execute_s, "decode_steps_execute_s": self.decode_execute_s,
             "engine_outside_runner_s": elapsed - self.execute_s,
             "graph_replays_timed": len(self.replay_events), "graph_replay_gpu_s": gpu,
+            "mixed_graph_replays": (mixed.num_replays - self.mixed_replays_at_reset)
+            if (mixed := getattr(self.runner, "mixed_graphs", None)) is not None else 0,
         }
 
 
@@ -277,6 +282,8 @@ def make_llm(folder: Path, **options: Any) -> tuple[Any, float]:
     from tidal_engine import LLM
 
     opts: dict[str, Any] = dict(dtype="bfloat16", max_model_len=4096, max_num_seqs=256, seed=0)
+    # Extra engine options for a whole run, e.g. '{"mixed_cuda_graphs": false}'.
+    opts.update(json.loads(os.environ.get("TIDAL_BENCH_LLM_OPTS") or "{}"))
     opts.update(options)
     start = time.perf_counter()
     llm = LLM(str(folder), **opts)
@@ -490,6 +497,9 @@ def suite_tidal(shape: str, folder: Path, results: dict[str, Any], save: Callabl
         "llm_construct_s_first": startup,
         "graph_capture_s": runner.graphs.capture_seconds if runner.graphs else None,
         "num_graphs": len(runner.graphs.graphs) if runner.graphs else 0,
+        "mixed_graph_capture_s": runner.mixed_graphs.capture_seconds if runner.mixed_graphs else None,
+        "num_mixed_graphs": len(runner.mixed_graphs.graphs) if runner.mixed_graphs else 0,
+        "llm_options_from_env": os.environ.get("TIDAL_BENCH_LLM_OPTS") or None,
         "kv_blocks": runner.num_blocks,
     }
     save()

@@ -26,6 +26,9 @@ class EngineConfig:
     # Decode batch sizes to capture CUDA graphs for (None: 1, 2, 4, 8, 16, ..., 256, 272, ...,
     # up to min(max_num_seqs, 512)); larger decode batches and mixed steps run eagerly.
     cuda_graph_sizes: list[int] | None = None
+    # Prefill and mixed steps of up to 2048 tokens replay CUDA graphs too (token-count
+    # buckets, see runner/mixed_graphs.py); False: they run eagerly.
+    mixed_cuda_graphs: bool = True
     enable_sleep_mode: bool = False
     # Multi-LoRA (docs/lora.md): adapters active in one batch, max rank, host cache size
     # (None: max_loras), adapters loaded at start (name → folder), and the folders runtime

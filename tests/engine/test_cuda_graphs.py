@@ -21,6 +21,7 @@ from tidal_engine.runner.input_buffers import (
     PinnedStaging,
     bucket_for,
     default_capture_sizes,
+    default_mixed_token_sizes,
     fill_step,
     normalize_capture_sizes,
     packed_offsets,
@@ -154,6 +155,39 @@ def test_only_decode_steps_are_padded() -> None:
         plan_step([ChunkInput([1], 0, [0], True)] * 3, pad_to=2)
 
 
+def test_mixed_step_padded_to_token_bucket() -> None:
+    # A mixed-step graph: padding tokens belong to no sequence, padding sequences are empty.
+    bs = 4
+    chunks = [
+        ChunkInput(token_ids=[5, 6, 7], start=2, block_ids=[7, 2], samples=True),
+        ChunkInput(token_ids=[11], start=9, block_ids=[1, 4, 3], samples=True),
+    ]
+    layout = plan_step(chunks, pad_to=4, pad_tokens_to=8)
+    assert (layout.num_tokens, layout.num_seqs, layout.num_real_seqs) == (8, 4, 2)
+    assert layout.query_start_loc == [0, 3, 4, 4, 4]
+    assert layout.seq_lens == [5, 10, 0, 0]
+    assert layout.sample_rows == [2, 3]
+    buf = np.full(layout.total, -7, dtype=np.int64)
+    fill_step(buf, layout, chunks, bs)
+    got = _unpack(buf, layout)
+    naive = _naive(chunks, bs)
+    assert got["input_ids"].tolist() == naive["input_ids"] + [0] * 4
+    assert got["positions"].tolist() == naive["positions"] + [0] * 4
+    assert got["slot_mapping"].tolist() == naive["slot_mapping"] + [-1] * 4
+    assert got["block_tables"].reshape(4, 3).tolist() == [[7, 2, 0], [1, 4, 3], [0, 0, 0], [0, 0, 0]]
+    # The graph's static buffer has this layout up to the end of query_start_loc.
+    static = packed_offsets(8, 4, 0, 0)
+    assert all(layout.offsets()[k] == static[k] for k in ("input_ids", "seq_lens", "query_start_loc"))
+    with pytest.raises(ValueError, match="cannot pad"):
+        plan_step(chunks, pad_to=4, pad_tokens_to=3)
+
+
+def test_default_mixed_token_sizes() -> None:
+    assert default_mixed_token_sizes(2048) == [16, 32, 64, 128, 256, 512, 768, 1024, 1280, 1536, 1792, 2048]
+    assert default_mixed_token_sizes(100) == [16, 32, 64, 100]
+    assert default_mixed_token_sizes(8192)[-1] == 2048  # bigger steps run eagerly
+
+
 def test_pinned_staging_on_cpu_grows_and_alternates() -> None:
     staging = PinnedStaging(torch.device("cpu"), capacity=8)
     a = staging.host_buffer(4)
@@ -231,8 +265,10 @@ def _generate(folder: Path, prompts: list[str], max_tokens: list[int], **options
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_graph_matches_eager_exact_buckets(tiny_dir: Path, dtype: str) -> None:
     # 8 requests of equal length: every decode step is exactly the bucket 8, no padding.
+    # Prefill eagerly in both: a prefill padded to a token bucket runs other GEMM shapes,
+    # which may flip a bf16 token (the mixed-step graphs are checked in fp32 below).
     eager, _ = _generate(tiny_dir, PROMPTS, [48] * 8, dtype=dtype, enforce_eager=True)
-    graph, llm = _generate(tiny_dir, PROMPTS, [48] * 8, dtype=dtype, max_num_seqs=8)
+    graph, llm = _generate(tiny_dir, PROMPTS, [48] * 8, dtype=dtype, max_num_seqs=8, mixed_cuda_graphs=False)
     runner = llm.engine.runner  # type: ignore[attr-defined]
     assert runner.graphs is not None and runner.graphs.num_replays >= 47
     assert graph == eager
@@ -248,6 +284,29 @@ def test_graph_padded_buckets_match_eager(tiny_dir: Path) -> None:
     graph, llm = _generate(tiny_dir, prompts, lengths, dtype="float32", cuda_graph_sizes=[8, 16])
     assert llm.engine.runner.graphs.num_replays > 0  # type: ignore[attr-defined]
     assert graph == eager
+
+
+@on_gpu
+def test_mixed_graphs_match_eager_with_prefix_hits(tiny_dir: Path) -> None:
+    # Chunked prefills mixed with decodes (small step budget), then the same prompts again
+    # (prefix-cache hits: short chunks over a long cached context), all through mixed-step
+    # graphs; fp32, so padded GEMM shapes don't flip a token.
+    from tidal_engine import SamplingParams
+
+    prompts = [p * 6 for p in PROMPTS]
+    lengths = [20 + 3 * i for i in range(8)]
+    options = dict(dtype="float32", max_num_batched_tokens=96, max_model_len=512)
+    eager, eager_llm = _generate(tiny_dir, prompts, lengths, enforce_eager=True, **options)
+    graph, llm = _generate(tiny_dir, prompts, lengths, **options)
+    runner = llm.engine.runner  # type: ignore[attr-defined]
+    assert runner.mixed_graphs is not None and runner.mixed_graphs.num_replays > 0
+    assert graph == eager
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+    again = llm.generate(prompts, params)  # type: ignore[attr-defined]
+    assert sum(o.num_cached_tokens for o in again) > 0
+    assert [o.outputs[0].token_ids for o in again] == eager
+    again_eager = eager_llm.generate(prompts, params)  # type: ignore[attr-defined]
+    assert [o.outputs[0].token_ids for o in again_eager] == eager
 
 
 @on_gpu
@@ -269,7 +328,7 @@ def test_sleep_wake_recaptures(tiny_dir: Path) -> None:
         engine.sleep(level)
         assert engine.runner.graphs is None
         engine.wake_up()
-        assert engine.runner.graphs is not None
+        assert engine.runner.graphs is not None and engine.runner.mixed_graphs is not None
         params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
         again = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]  # type: ignore[attr-defined]
         assert again == first

@@ -61,6 +61,7 @@ class _Sample:
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    row: SamplingRow | None = None  # built once: it holds the request's (growing) token lists
 
 
 @dataclass
@@ -241,7 +242,9 @@ class LLMEngine:
         return bool(self._parents)
 
     # ---- the step --------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, final_only: bool = False) -> list[RequestOutput]:
+        """One scheduled forward; returns an output for each request it advanced (with
+        ``final_only``, for each request it finished: offline callers skip building the rest)."""
         if self._sleep_level:
             return []
         output = self.scheduler.schedule()
@@ -273,17 +276,19 @@ class LLMEngine:
                 parent.pending_fanout = False
                 for index in range(1, parent.params.n):
                     self._add_sample(parent, index)
-        return [self._finish_output(parent, now) for parent in touched.values()]
+        return [self._finish_output(parent, now) for parent in touched.values() if not final_only or parent.finished]
 
     def _sampling_row(self, sample: _Sample) -> SamplingRow:
-        req = sample.request
-        return SamplingRow(
-            params=req.sampling_params,
-            prompt_token_ids=req.prompt_token_ids,
-            output_token_ids=req.output_token_ids,
-            generator=sample.generator,
-            eos_token_ids=self.eos_token_ids,
-        )
+        req, row = sample.request, sample.row
+        if row is None or row.output_token_ids is not req.output_token_ids or row.params is not req.sampling_params:
+            row = sample.row = SamplingRow(
+                params=req.sampling_params,
+                prompt_token_ids=req.prompt_token_ids,
+                output_token_ids=req.output_token_ids,
+                generator=sample.generator,
+                eos_token_ids=self.eos_token_ids,
+            )
+        return row
 
     def _on_token(self, sample: _Sample, token_id: int, logprobs: dict[int, Logprob] | None, logprob: float) -> None:
         """Record one sampled token (already appended by the scheduler) and check every stop rule."""

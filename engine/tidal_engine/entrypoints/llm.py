@@ -75,7 +75,7 @@ class LLM:
     def _run(self, ids: list[str]) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
         while len(finished) < len(ids):
-            for output in self.engine.step():
+            for output in self.engine.step(final_only=True):  # partial outputs are never shown
                 if output.finished:
                     finished[output.request_id] = output
             if not self.engine.has_unfinished_requests() and len(finished) < len(ids):

@@ -27,6 +27,8 @@ import torch
 
 # vLLM's default capture sizes: 1, 2, 4, then every 8 up to 256, then every 16 up to 512.
 DEFAULT_MAX_CAPTURE_SIZE = 512
+# Mixed steps: token buckets up to the default step budget (max_num_batched_tokens).
+DEFAULT_MAX_MIXED_TOKENS = 2048
 
 
 def default_capture_sizes(max_num_seqs: int, max_size: int = DEFAULT_MAX_CAPTURE_SIZE) -> list[int]:
@@ -45,6 +47,15 @@ def normalize_capture_sizes(sizes: list[int] | None, max_num_seqs: int) -> list[
     if any(int(s) < 1 for s in sizes):
         raise ValueError(f"cuda_graph_sizes must be positive, got {sizes}")
     return sorted({min(int(s), max_num_seqs) for s in sizes})
+
+
+def default_mixed_token_sizes(max_tokens: int, max_size: int = DEFAULT_MAX_MIXED_TOKENS) -> list[int]:
+    """Token-count buckets for mixed/prefill-step graphs, up to ``min(max_tokens, max_size)``
+    (the cap itself included): fine steps where prefix hits and short prompts land, then
+    every 256 tokens, so padding wastes at most a few percent of a big step."""
+    cap = max(1, min(max_tokens, max_size))
+    sizes = [16, 32, 64, 128, *range(256, max_size + 1, 256)]
+    return sorted({s for s in sizes if s <= cap} | {cap})
 
 
 def bucket_for(num_seqs: int, sizes: list[int]) -> int | None:
@@ -114,8 +125,11 @@ def packed_offsets(num_tokens: int, num_seqs: int, num_samples: int, width: int)
     return out
 
 
-def plan_step(chunks: list[ChunkInput], pad_to: int | None = None) -> StepLayout:
-    """Sizes of the packed step; ``pad_to`` (decode-only steps) pads to that many sequences."""
+def plan_step(chunks: list[ChunkInput], pad_to: int | None = None, pad_tokens_to: int | None = None) -> StepLayout:
+    """Sizes of the packed step. ``pad_to`` alone (decode-only steps) pads to that many
+    one-token sequences. With ``pad_tokens_to`` (a mixed-step graph) the flat batch is padded
+    to that many tokens, which belong to no sequence (their attention output is never
+    written, and every other op is row-wise), and to ``pad_to`` sequences of length zero."""
     if not chunks:
         raise ValueError("a step needs at least one chunk")
     q_lens = [len(c.token_ids) for c in chunks]
@@ -123,18 +137,26 @@ def plan_step(chunks: list[ChunkInput], pad_to: int | None = None) -> StepLayout
     num_seqs = real if pad_to is None else pad_to
     if num_seqs < real:
         raise ValueError(f"cannot pad {real} sequences to {pad_to}")
-    if pad_to is not None and max(q_lens) != 1:
-        raise ValueError("only decode-only steps (one token per sequence) are padded")
     pad = num_seqs - real
     query_start = [0]
     for n in q_lens:
         query_start.append(query_start[-1] + n)
-    for _ in range(pad):
-        query_start.append(query_start[-1] + 1)
-    seq_lens = [c.start + n for c, n in zip(chunks, q_lens)] + [1] * pad
+    if pad_tokens_to is None:
+        if pad_to is not None and max(q_lens) != 1:
+            raise ValueError("only decode-only steps (one token per sequence) are padded")
+        for _ in range(pad):
+            query_start.append(query_start[-1] + 1)
+        seq_lens = [c.start + n for c, n in zip(chunks, q_lens)] + [1] * pad
+        num_tokens = query_start[-1]
+    else:
+        if pad_tokens_to < query_start[-1]:
+            raise ValueError(f"cannot pad {query_start[-1]} tokens to {pad_tokens_to}")
+        query_start += [query_start[-1]] * pad
+        seq_lens = [c.start + n for c, n in zip(chunks, q_lens)] + [0] * pad
+        num_tokens = pad_tokens_to
     rows = [query_start[i + 1] - 1 for i, c in enumerate(chunks) if c.samples]
     return StepLayout(
-        num_tokens=query_start[-1],
+        num_tokens=num_tokens,
         num_seqs=num_seqs,
         num_real_seqs=real,
         num_samples=len(rows),

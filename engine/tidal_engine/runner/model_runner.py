@@ -25,10 +25,12 @@ from tidal_engine.runner.input_buffers import (
     PinnedStaging,
     StepLayout,
     bucket_for,
+    default_mixed_token_sizes,
     fill_step,
     normalize_capture_sizes,
     plan_step,
 )
+from tidal_engine.runner.mixed_graphs import MixedGraphs
 from tidal_engine.runner.sampler import Sampler, SamplerOutput, SamplingRow
 
 logger = logging.getLogger(__name__)
@@ -76,6 +78,7 @@ class ModelRunner:
         self.staging = PinnedStaging(device)
         self.cuda_graph_sizes = normalize_capture_sizes(config.cuda_graph_sizes, config.max_num_seqs)
         self.graphs: DecodeGraphs | None = None
+        self.mixed_graphs: MixedGraphs | None = None
         self._warm_up_kernels()
         self.capture_cuda_graphs()
 
@@ -174,9 +177,19 @@ class ModelRunner:
             return None
         return bucket_for(len(chunks), self.graphs.sizes)
 
-    def _stage(self, chunks: list[ChunkInput], pad_to: int | None) -> tuple[StepLayout, torch.Tensor]:
+    def _mixed_bucket(self, chunks: list[ChunkInput]) -> int | None:
+        """The mixed-step graph (token bucket) for a step no decode graph takes, or None."""
+        if self.mixed_graphs is None:
+            return None
+        num_tokens = sum(len(c.token_ids) for c in chunks)
+        width = max(len(c.block_ids) for c in chunks)
+        return self.mixed_graphs.bucket(num_tokens, len(chunks), width)
+
+    def _stage(
+        self, chunks: list[ChunkInput], pad_to: int | None, pad_tokens_to: int | None = None
+    ) -> tuple[StepLayout, torch.Tensor]:
         """Pack the step into a pinned buffer and start its (async) copy to the device."""
-        layout = plan_step(chunks, pad_to)
+        layout = plan_step(chunks, pad_to, pad_tokens_to)
         buf = self.staging.host_buffer(layout.total)
         fill_step(buf, layout, chunks, self.config.block_size)
         return layout, self.staging.upload(layout.total)
@@ -224,6 +237,17 @@ class ModelRunner:
     def _execute(self, output: SchedulerOutput, rows: list[SamplingRow], allow_graphs: bool = True) -> SamplerOutput | None:
         chunks = self._chunk_inputs(output)
         bucket = self._graph_bucket(chunks) if allow_graphs else None
+        mixed = self._mixed_bucket(chunks) if allow_graphs and bucket is None else None
+        if mixed is not None:
+            assert self.mixed_graphs is not None
+            layout, staged = self._stage(chunks, self.mixed_graphs.seqs_for(mixed), mixed)
+            bt_offset = layout.offsets()["block_tables"][0]
+            hidden = self.mixed_graphs.replay(mixed, staged, layout.width, bt_offset)
+            if not layout.sample_rows:
+                return None
+            a, b = layout.offsets()["sample_rows"]
+            logits = self.model.compute_logits(hidden.index_select(0, staged[a:b]))
+            return self.sampler(logits, rows)
         layout, staged = self._stage(chunks, bucket)
         if bucket is not None:
             assert self.graphs is not None
@@ -253,22 +277,23 @@ class ModelRunner:
         )
 
     def capture_cuda_graphs(self) -> None:
-        """(Re)capture the decode graphs for the current weights and KV cache."""
-        self.graphs = None
+        """(Re)capture the decode and mixed-step graphs for the current weights and KV cache."""
+        self._drop_cuda_graphs()
         if not self._graphs_wanted() or not self.kv_caches:
             return
-        graphs = DecodeGraphs(
-            self.model,
-            self.kv_caches,
-            self.cuda_graph_sizes,
-            max_blocks_per_seq=-(-self.max_model_len // self.config.block_size),
-            device=self.device,
-        )
+        max_blocks = -(-self.max_model_len // self.config.block_size)
+        graphs = DecodeGraphs(self.model, self.kv_caches, self.cuda_graph_sizes, max_blocks, self.device)
         graphs.capture()
         self.graphs = graphs
+        if self.config.mixed_cuda_graphs:
+            token_sizes = default_mixed_token_sizes(self.config.max_num_batched_tokens or 2048)
+            mixed = MixedGraphs(self.model, self.kv_caches, token_sizes, self.config.max_num_seqs, max_blocks, self.device)
+            mixed.capture()
+            self.mixed_graphs = mixed
 
     def _drop_cuda_graphs(self) -> None:
         self.graphs = None
+        self.mixed_graphs = None
 
     def _maybe_recapture(self) -> None:
         weights_home = all(_on_device(t, self.device) and t.numel() > 0 for t in self.model.parameters())
