@@ -126,7 +126,13 @@ class AdapterSync:
         previous_entries = list(status.get("adapters") or [])  # copied: the patch may update `llm` in place
         entries, condition = adapters_status(targets, results, status.get("conditions"),
                                              meta.get("generation"), self.clock())
-        outcome.status = {"adapters": entries, "conditions": merge_condition(status.get("conditions"), condition)}
+        # The conditions list is written whole: merge into the freshest copy, so a reconcile's
+        # conditions written while engines were being called are not put back to stale values.
+        fresh = await self.cluster.get_llmservice(namespace, name)
+        if fresh is None:  # deleted meanwhile
+            return None
+        current = (fresh.get("status") or {}).get("conditions")
+        outcome.status = {"adapters": entries, "conditions": merge_condition(current, condition)}
         await self.cluster.patch_llmservice_status(namespace, name, outcome.status)
         await self._events(llm, previous_entries, entries, outcome)
         return outcome

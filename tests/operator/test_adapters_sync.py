@@ -39,6 +39,9 @@ class FakeCluster:
     async def list_llmservices(self, namespace: str | None = None) -> list[dict[str, Any]]:
         return [self.llm]
 
+    async def get_llmservice(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return self.llm
+
     async def list_pods(self, namespace: str, label_selector: str) -> list[dict[str, Any]]:
         assert label_selector == L.selector_string("m")
         return list(self.pods.values())
@@ -203,6 +206,21 @@ async def test_unready_replica_is_announced_with_no_adapters(engines: dict[str, 
     assert {r["pod"]: r["state"] for r in entry["replicas"]} == {"m-abc-0": "Loaded", "m-abc-1": "Pending"}
     cluster.llm["spec"]["lora"]["adapters"] = []
     await sync.sync(cluster.llm)
+
+
+async def test_conditions_written_meanwhile_are_not_reverted(engines: dict[str, LiveServer]) -> None:
+    import copy
+
+    cluster = FakeCluster(llmservice([{"name": "sql", "uri": uri("good")}]), [pod("m-abc-0")])
+    seen_by_sync = copy.deepcopy(cluster.llm)  # the sync works from this older read...
+    validated = {"type": "Validated", "status": "False", "reason": "InvalidSpec", "message": "bad"}
+    cluster.llm.setdefault("status", {})["conditions"] = [validated]  # ...while a reconcile writes this
+    await make_sync(cluster, engines).sync(seen_by_sync)
+    conditions = {c["type"]: c for c in cluster.llm["status"]["conditions"]}
+    assert conditions["Validated"] == validated
+    assert conditions["AdaptersReady"]["status"] == "True"
+    cluster.llm["spec"]["lora"]["adapters"] = []
+    await make_sync(cluster, engines).sync(cluster.llm)
 
 
 async def test_no_lora_spec_is_left_alone(engines: dict[str, LiveServer]) -> None:
