@@ -11,7 +11,8 @@
 Three processes, each in its own session so `tidal dev up` can return:
 - controlplane: the emulated API server and the local kubelet in one event loop (the engines
   are its children, each in its own process group);
-- operator: `tidal operator --standalone` against the kubeconfig;
+- operator: `tidal operator --standalone` against the kubeconfig, reading held demand from
+  the router (TIDAL_ROUTER_URLS, TIDAL_ROUTER_API_KEY), so scale-from-zero works;
 - router: `tidal router` on loopback, with the key from `.tidal/api-key`.
 `down()` stops them (the control plane's kubelet stops the engines) and then kills any engine
 process group still alive, so nothing is left behind even after a crash.
@@ -28,6 +29,7 @@ import os
 import secrets
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -271,6 +273,14 @@ def _healthy(url: str) -> bool:
         return False
 
 
+def _planned_router_url(paths: Paths, options: UpOptions) -> str:
+    """The router's URL: the running one's, else the one step 3 is about to start."""
+    if read_pid(paths, "router") is not None:
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            return str(json.loads(paths.stack.read_text())["router"])
+    return f"http://127.0.0.1:{options.router_port}"
+
+
 def up(options: UpOptions, out: Any = sys.stdout) -> dict[str, Any]:
     """Start whatever is not running yet, apply the files, wait for Ready, print how to reach
     it. Idempotent: a second `up` reuses the running stack."""
@@ -294,10 +304,16 @@ def up(options: UpOptions, out: Any = sys.stdout) -> dict[str, Any]:
     api = _wait("the API server", lambda: (u := _api_url(paths)) and _healthy(f"{u}/readyz") and u, 60,
                 paths.log("controlplane"))
 
-    # 2. The operator, standalone (one replica; no peering objects in the dev cluster).
+    # 2. The operator, standalone (one replica; no peering objects in the dev cluster). It reads
+    # the router's held demand (scale from zero) from the router this stack runs, with the key.
     if read_pid(paths, "operator") is None:
+        operator_env: dict[str, str] = {}
+        if options.router:
+            operator_env = {"TIDAL_ROUTER_URLS": _planned_router_url(paths, options),
+                            "TIDAL_ROUTER_API_KEY": api_key}
         _spawn(paths, "operator", [_python(), "-m", "tidal_operator.cli", "operator", "--standalone",
-                                   "--kubeconfig", str(paths.kubeconfig), "--resync-seconds", "30"])
+                                   "--kubeconfig", str(paths.kubeconfig), "--resync-seconds", "30"],
+               env=operator_env)
         print(f"starting the operator (logs: {paths.log('operator')})", file=out)
 
     # 3. The router, with the generated key (through the environment, not argv: ps shows argv).
@@ -416,6 +432,39 @@ def status(state_dir: Path, out: Any = sys.stdout) -> dict[str, Any]:
 
 # --- the control-plane process -------------------------------------------------------------------
 
+def _loopback_blocks_in_use() -> set[int]:
+    """X of every 127.0.X.Y (Y >= 2) with a listening TCP socket: the Pod addresses of other
+    `tidal dev` stacks' engines. Linux (/proc/net/tcp); elsewhere, none known."""
+    blocks: set[int] = set()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+            fields = line.split()
+            if len(fields) < 4 or fields[3] != "0A":  # 0A: LISTEN
+                continue
+            with contextlib.suppress(ValueError, struct.error):
+                # The kernel prints the address as a native-order u32 in hex.
+                a, b, c, d = struct.pack("=I", int(fields[1].split(":")[0], 16))
+                if a == 127 and b == 0 and d >= 2:
+                    blocks.add(c)
+    return blocks
+
+
+def first_pod_ip(api_port: int, in_use: set[int] | None = None, *, fake_engines: bool = False) -> int:
+    """The kubelet's first Pod address, as an index into 127.0.0.0/16 (127.0.X.Y = X*256+Y).
+
+    Every kubelet counts from its first address, so two stacks on one machine (`make up`
+    left running during the tests, say) would give their engines the same 127.0.0.N:port:
+    one engine fails to bind, and the other stack's engine answers its probes and requests.
+    So a stack that runs engines takes a /24 of its own, 127.0.X.0 with X >= 1, picked by its
+    API server's (random) port among those no listening socket uses yet. Fake engines bind
+    nothing: they keep 127.0.0.x."""
+    if fake_engines:
+        return 2
+    busy = _loopback_blocks_in_use() if in_use is None else in_use
+    free = [block for block in range(1, 255) if block not in busy] or list(range(1, 255))
+    return free[api_port % len(free)] * 256 + 2
+
+
 async def _serve_controlplane(state_dir: Path, port: int, crds: Path, fake_engines: bool) -> None:
     from .apiserver import start_apiserver
     from .kubeconfig import write_kubeconfig
@@ -423,7 +472,8 @@ async def _serve_controlplane(state_dir: Path, port: int, crds: Path, fake_engin
 
     paths = Paths(state_dir)
     handle = await start_apiserver("127.0.0.1", port, crds, log_dir=paths.logs)
-    kubelet = LocalKubelet(handle.url, state_dir=paths.root, fake_ready=fake_engines, workdir=Path.cwd())
+    kubelet = LocalKubelet(handle.url, state_dir=paths.root, fake_ready=fake_engines, workdir=Path.cwd(),
+                           first_ip=first_pod_ip(handle.port, fake_engines=fake_engines))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
