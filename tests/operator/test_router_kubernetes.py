@@ -143,3 +143,13 @@ async def test_run_router_serves_what_the_cluster_holds(api_client: Any, tmp_pat
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+
+
+async def test_bookmark_events_do_not_break_the_watch(api_client: Any) -> None:
+    # A BOOKMARK carries only metadata.resourceVersion: nothing to apply, no Secret to read.
+    registry = Registry()
+    watcher = KubernetesWatcher(registry, api_client, watch_timeout_s=5)
+    before = registry.lookup("anything")
+    await watcher._apply("llmservices", {"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": "7"}}})
+    await watcher._apply("pods", {"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": "7"}}})
+    assert registry.lookup("anything") == before is None

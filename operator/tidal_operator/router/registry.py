@@ -483,7 +483,7 @@ class KubernetesWatcher:
     async def _apply(self, kind: str, event: dict[str, Any]) -> None:
         if kind == "llmservices":
             self.registry.apply_llmservice_event(event)
-            if event["type"] != "DELETED":
+            if event["type"] in ("ADDED", "MODIFIED"):  # bookmarks carry no object to read
                 await self._refresh_secret(service_from_object(event["object"]))
         else:
             self.registry.apply_pod_event(event)
