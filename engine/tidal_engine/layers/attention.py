@@ -116,9 +116,9 @@ class TorchAttentionBackend:
         k = kv_cache[0, blocks].reshape(num_seqs, width * block_size, num_kv_heads, head_dim).float()
         v = kv_cache[1, blocks].reshape(num_seqs, width * block_size, num_kv_heads, head_dim).float()
         valid = torch.arange(width * block_size, device=query.device)[None, :] < meta.seq_lens[:, None]
-        # Padding slots may hold anything (even NaN): zero them so masked weights stay exact zeros.
+        # Padding slots may hold anything (even NaN). Masking the scores covers the keys; the
+        # values need zeros so the masked weights (exact zeros) keep the sum finite.
         v = v.masked_fill(~valid[:, :, None, None], 0.0)
-        k = k.masked_fill(~valid[:, :, None, None], 0.0)
         q = query.view(num_seqs, num_kv_heads, group, head_dim).float()
         scores = torch.einsum("skgd,sjkd->skgj", q, k) * scale
         scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
