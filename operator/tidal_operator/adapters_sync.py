@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
-import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Awaitable, Callable, Mapping
@@ -32,6 +31,7 @@ from . import labels as L
 from .api.types import LLMServiceSpec, OperatorConfig
 from .api.validation import parse_spec
 from .engine_client import EngineClient, EngineError
+from .loops import run_rounds
 from .reconcile.adapters import (
     AdapterTarget,
     ReplicaObservation,
@@ -246,13 +246,5 @@ class AdapterSyncLoop:
 
     async def run(self, namespace: str | None = None, active: Callable[[], Awaitable[bool]] | None = None) -> None:
         """Sync forever (cancel to stop). `active`: skip rounds while another operator leads."""
-        while True:
-            started = time.monotonic()
-            try:
-                if active is None or await active():
-                    await self.sync_all(namespace)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # keep the loop alive through API hiccups
-                log.warning("adapter sync round failed: %r", exc)
-            await asyncio.sleep(max(0.0, self.sync.config.interval_s - (time.monotonic() - started)))
+        await run_rounds(lambda: self.sync_all(namespace), self.sync.config.interval_s, what="adapter sync",
+                         active=active)

@@ -39,6 +39,7 @@ from .. import labels as L
 from ..api.types import LLMServiceSpec
 from ..api.validation import parse_spec
 from ..engine_client import EngineClient, EngineError, EngineMetrics
+from ..loops import run_rounds
 from ..reconcile.pods import PodView, parse_time
 from ..reconcile.status import desired_replicas, pod_stuck_reason
 from .decide import Decision, Reading, ScalingState, decide_replicas, metric_value
@@ -526,16 +527,8 @@ class AutoscalerRuntime:
 
     async def run(self, namespace: str | None = None, active: Callable[[], Awaitable[bool]] | None = None) -> None:
         """Tick forever (cancel to stop). `active`: skip ticks while another operator leads."""
-        while True:
-            started = time.monotonic()
-            try:
-                if active is None or await active():
-                    await self.tick_all(namespace)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # keep the loop alive through API hiccups
-                log.warning("autoscaling round failed: %r", exc)
-            await asyncio.sleep(max(0.0, self.config.interval_s - (time.monotonic() - started)))
+        await run_rounds(lambda: self.tick_all(namespace), self.config.interval_s, what="autoscaling",
+                         active=active)
 
     async def aclose(self) -> None:
         await self.http.aclose()
