@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tidal_engine.structured.params import StructuredOutputsParams
+
 
 @dataclass
 class SamplingParams:
@@ -24,6 +26,7 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs besides the sampled token
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None  # constrain the output (JSON schema, regex, …)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -76,6 +79,8 @@ class SamplingParams:
             not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool) or not 0 <= self.logprobs <= 20
         ):
             fail(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            fail(f"structured_outputs must be a StructuredOutputsParams, got {type(self.structured_outputs).__name__}")
 
     @property
     def is_greedy(self) -> bool:

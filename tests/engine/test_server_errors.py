@@ -55,6 +55,13 @@ CASES: list[tuple[str, str, str, dict[str, Any], int, str, str | None]] = [
      "invalid_request_error", "top_p"),
     ("logprobs_100", "POST", "/v1/completions", {"json": {"prompt": "x", "logprobs": 100}}, 400,
      "invalid_request_error", "logprobs"),
+    # Structured outputs are supported (see test_structured_outputs.py); unknown formats are still refused.
+    ("response_format_text_xml", "POST", "/v1/chat/completions",
+     {"json": {"messages": MSG, "response_format": {"type": "text_xml"}}}, 400, "invalid_request_error",
+     "response_format"),
+    ("response_format_bad_schema", "POST", "/v1/completions",
+     {"json": {"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}}},
+     400, "invalid_request_error", "response_format"),
     ("top_logprobs_100", "POST", "/v1/chat/completions",
      {"json": {"messages": MSG, "logprobs": True, "top_logprobs": 100}}, 400, "invalid_request_error",
      "top_logprobs"),

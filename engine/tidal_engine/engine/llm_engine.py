@@ -25,6 +25,7 @@ from tidal_engine.runner.detokenizer import IncrementalDetokenizer, decode_token
 from tidal_engine.runner.model_runner import ModelRunner
 from tidal_engine.runner.sampler import SamplingRow, make_generator
 from tidal_engine.sampling_params import SamplingParams
+from tidal_engine.structured import GrammarCompilerCache, GrammarMatcher
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ class _Sample:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     row: SamplingRow | None = None  # built once: it holds the request's (growing) token lists
+    grammar: GrammarMatcher | None = None  # structured outputs: where the sample is in its grammar
 
 
 @dataclass
@@ -75,6 +77,7 @@ class _Parent:
     cache_salt: str | None
     metrics: RequestMetrics
     lora_name: str | None = None
+    compiled_grammar: object | None = None  # xgrammar CompiledGrammar shared by the samples
     samples: list[_Sample | None] = field(default_factory=list)
     pending_fanout: bool = False  # samples 1..n-1 wait until sample 0 has filled the prefix cache
 
@@ -126,6 +129,7 @@ class LLMEngine:
         self._generation_tokens_total = 0
         self._max_running_seen = 0
         self._sleep_level = 0
+        self._grammars: GrammarCompilerCache | None = None  # built on the first structured request
         # Guards against concurrent sleep/wake/reset from different threads.
         self._state_lock = threading.Lock()
         self.lora_manager: LoRAManager | None = self.runner.lora_manager
@@ -161,6 +165,9 @@ class LLMEngine:
         if max_tokens is None or max_tokens > room:
             max_tokens = room  # the context is the hard limit; finish_reason "length" at it
         params = params.clone(max_tokens=max_tokens, min_tokens=min(params.min_tokens, max_tokens))
+        # Compile here, not per sample: errors become the caller's ValueError (a 400), and the
+        # n samples (some added later, at fan-out) share one compiled grammar.
+        compiled = self._compile_grammar(params) if params.structured_outputs is not None else None
         if lora_name is not None:
             self._acquire_lora(lora_name)  # last check: nothing below can fail and leak the reference
         parent = _Parent(
@@ -172,6 +179,7 @@ class LLMEngine:
             metrics=RequestMetrics(arrival_time=arrival_time or time.time()),
             samples=[None] * params.n,
             lora_name=lora_name,
+            compiled_grammar=compiled,
         )
         self._parents[request_id] = parent
         self._prompt_tokens_total += len(token_ids)
@@ -203,9 +211,21 @@ class LLMEngine:
             generator=make_generator(params.seed, self.device) if params.seed is not None else None,
             logprobs=[] if params.logprobs is not None else None,
         )
+        if parent.compiled_grammar is not None:
+            assert self._grammars is not None
+            sample.grammar = GrammarMatcher(parent.compiled_grammar, self._grammars.vocab_size)  # type: ignore[arg-type]
         parent.samples[index] = sample
         self._samples[sample_id] = sample
         self.scheduler.add_request(request)
+
+    def _compile_grammar(self, params: SamplingParams) -> object:
+        assert params.structured_outputs is not None
+        if self._grammars is None:
+            # The logits (and so the bitmask) span the model's vocabulary, which may exceed the tokenizer's.
+            self._grammars = GrammarCompilerCache(
+                self.tokenizer, self.source.arch_config.vocab_size, sorted(self.eos_token_ids)
+            )
+        return self._grammars.compile(params.structured_outputs)
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -287,6 +307,7 @@ class LLMEngine:
                 output_token_ids=req.output_token_ids,
                 generator=sample.generator,
                 eos_token_ids=self.eos_token_ids,
+                grammar=sample.grammar,
             )
         return row
 
@@ -302,9 +323,22 @@ class LLMEngine:
         past_min = req.num_output_tokens >= params.min_tokens
         is_stop_token = past_min and token_id in params.stop_token_ids
         is_eos = past_min and not params.ignore_eos and token_id in self.eos_token_ids
+        grammar_done = False
+        if sample.grammar is not None:
+            if not sample.grammar.accept_token(token_id):
+                # The bitmask allowed only grammar tokens, so this is a bug; end rather than emit garbage.
+                logger.warning("request %s: sampled token %d rejected by its grammar", req.request_id, token_id)
+                grammar_done = True
+            else:
+                # The grammar accepted EOS at its end: done, even under ignore_eos or min_tokens.
+                grammar_done = sample.grammar.is_terminated()
         # The text of an ending EOS or stop token is not part of the answer (as in vLLM).
-        matched_stop = sample.detokenizer.add_token(token_id, stop_terminated=is_stop_token or is_eos)
-        if is_stop_token:
+        matched_stop = sample.detokenizer.add_token(
+            token_id, stop_terminated=is_stop_token or is_eos or (grammar_done and token_id in self.eos_token_ids)
+        )
+        if grammar_done and not is_stop_token:
+            self._finish_sample(sample, "stop", None)
+        elif is_stop_token:
             self._finish_sample(sample, "stop", token_id)
         elif is_eos:
             self._finish_sample(sample, "stop", None)

@@ -4,7 +4,9 @@ Order of operations (per row):
   1. repetition penalty (prompt + output tokens; HF/vLLM: divide positive logits, multiply negative ones)
   2. frequency and presence penalties (output tokens only; OpenAI semantics)
   3. min_tokens: EOS (unless ignore_eos) and stop_token_ids are masked while the output is too short
-  4. greedy rows: argmax; the others: temperature, top_k, top_p, min_p, then an exponential race.
+     (not for rows with a grammar: the grammar alone decides where the output may end)
+  4. structured outputs: rows with a grammar keep only the tokens its bitmask allows
+  5. greedy rows: argmax; the others: temperature, top_k, top_p, min_p, then an exponential race.
 
 Logprobs come from the log_softmax of the RAW logits (vLLM V1's default "raw_logprobs" mode), so they do
 not depend on the penalties or on the sampling filters.
@@ -22,6 +24,7 @@ import torch
 
 from tidal_engine.outputs import Logprob, PositionLogprobs
 from tidal_engine.sampling_params import SamplingParams
+from tidal_engine.structured import GrammarMatcher, apply_bitmasks
 
 __all__ = ["SamplingRow", "SamplerOutput", "Sampler", "make_generator"]
 
@@ -36,6 +39,8 @@ class SamplingRow:
     # Per-request generator, set when params.seed is set (see make_generator); None: shared generator.
     generator: torch.Generator | None = None
     eos_token_ids: set[int] = field(default_factory=set)
+    # Structured outputs: the sample's grammar state; the sampler reads it, the engine advances it.
+    grammar: GrammarMatcher | None = None
 
 
 @dataclass
@@ -69,10 +74,13 @@ class Sampler:
 
         # Copy only when something will modify the logits: the caller's tensor stays untouched.
         processed = raw
-        if any(_needs_penalties(r.params) for r in rows) or any(_in_min_tokens(r) for r in rows):
+        grammars = [(i, r.grammar) for i, r in enumerate(rows) if r.grammar is not None]
+        if any(_needs_penalties(r.params) for r in rows) or any(_in_min_tokens(r) for r in rows) or grammars:
             processed = raw.clone()
             _apply_penalties(processed, rows)
             _apply_min_tokens(processed, rows)
+            if grammars:
+                apply_bitmasks(processed, grammars)  # type: ignore[arg-type]
 
         greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
         stochastic = [i for i, r in enumerate(rows) if not r.params.is_greedy]
@@ -207,7 +215,8 @@ def _apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     row_ids: list[int] = []
     col_ids: list[int] = []
     for i, row in enumerate(rows):
-        if not _in_min_tokens(row):
+        # A grammar at its end allows only EOS; masking it too would leave no token at all.
+        if not _in_min_tokens(row) or row.grammar is not None:
             continue
         banned = set(row.params.stop_token_ids or [])
         # With ignore_eos, EOS does not end the request, so it need not be held back (as in vLLM).

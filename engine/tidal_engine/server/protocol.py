@@ -12,6 +12,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from tidal_engine.structured import StructuredOutputsParams
+
 # vLLM's default max_logprobs: a request for more top logprobs is a 400.
 MAX_LOGPROBS = 20
 # The most choices one request may ask for; guards memory against n=10000.
@@ -53,7 +55,9 @@ class SamplingFields(_Request):
     # Accepted so OpenAI clients can send them, but only their no-op values are allowed.
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
+    # OpenAI's {"type": "text" | "json_object" | "json_schema"} and vLLM's own constraint field.
     response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _check_stop(self) -> "SamplingFields":
@@ -69,9 +73,70 @@ class SamplingFields(_Request):
             bad.append("logit_bias")
         if self.best_of is not None and self.best_of != self.n:
             bad.append("best_of")
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            bad.append("response_format")
         return bad
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The output constraint asked for, if any; ValueError (with ``.param``) for a bad one."""
+        fmt = self.response_format
+        fmt_type = fmt.get("type", "text") if fmt is not None else "text"
+        if fmt_type != "text" and self.structured_outputs is not None:
+            raise _param_error("give either response_format or structured_outputs, not both", "response_format")
+        if self.structured_outputs is not None:
+            return _from_structured_outputs(self.structured_outputs)
+        if fmt is None or fmt_type == "text":
+            return None
+        if fmt_type == "json_object":
+            return _build("response_format", json_object=True)
+        if fmt_type == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict):
+                raise _param_error(
+                    'response_format of type "json_schema" needs a "json_schema" object with a "schema"',
+                    "response_format",
+                )
+            schema = spec.get("schema")
+            if schema is None:  # OpenAI allows leaving it out: any JSON object then
+                return _build("response_format", json_object=True)
+            if not isinstance(schema, dict):
+                raise _param_error("response_format.json_schema.schema must be a JSON object", "response_format")
+            return _build("response_format", json=schema)
+        raise _param_error(
+            f"response_format type {fmt_type!r} is not supported; use 'text', 'json_object' or 'json_schema'",
+            "response_format",
+        )
+
+
+_STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def _param_error(message: str, param: str) -> ValueError:
+    exc = ValueError(message)
+    exc.param = param  # type: ignore[attr-defined]
+    return exc
+
+
+def _build(param: str, **kwargs: Any) -> StructuredOutputsParams:
+    try:
+        return StructuredOutputsParams(**kwargs)
+    except ValueError as exc:
+        raise _param_error(f"{param}: {exc}", param) from None
+
+
+def _from_structured_outputs(spec: dict[str, Any]) -> StructuredOutputsParams:
+    unknown = sorted(k for k, v in spec.items() if k not in _STRUCTURED_KEYS and v is not None)
+    if unknown:
+        raise _param_error(
+            f"structured_outputs: unsupported field(s) {', '.join(unknown)}; use one of {', '.join(_STRUCTURED_KEYS)}",
+            "structured_outputs",
+        )
+    kwargs = {k: spec[k] for k in _STRUCTURED_KEYS if spec.get(k) is not None}
+    # Strict typing, as for every other field: the dataclass would not check these.
+    checks = {"json": (dict, str), "regex": str, "grammar": str, "choice": list, "json_object": bool}
+    for key, value in kwargs.items():
+        if not isinstance(value, checks[key]):  # type: ignore[arg-type]
+            raise _param_error(f"structured_outputs.{key} has the wrong type ({type(value).__name__})",
+                               "structured_outputs")
+    return _build("structured_outputs", **kwargs)
 
 
 PromptInput = str | list[str] | list[int] | list[list[int]]

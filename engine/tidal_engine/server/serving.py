@@ -279,6 +279,10 @@ class OpenAIServing:
 
     def sampling_params(self, request: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         try:
+            structured = request.structured_outputs_params()
+        except ValueError as exc:
+            raise bad_request(str(exc), getattr(exc, "param", None)) from None
+        try:
             return SamplingParams(
                 n=request.n,
                 temperature=1.0 if request.temperature is None else request.temperature,
@@ -297,6 +301,7 @@ class OpenAIServing:
                 logprobs=logprobs,
                 skip_special_tokens=request.skip_special_tokens,
                 include_stop_str_in_output=request.include_stop_str_in_output,
+                structured_outputs=structured,
             )
         except ValueError as exc:
             raise bad_request(str(exc)) from None
