@@ -7,10 +7,8 @@ Plain functions and classes, no fixtures (the stack fixture lives in e2e/conftes
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
@@ -20,6 +18,8 @@ from typing import Any, Callable, Iterable, Mapping
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+
+from kubectl_watch import KubectlWatch
 
 QUESTION = "What is the capital of France?"
 IDLE_SINCE = "tidal.dev/idle-since"
@@ -121,46 +121,10 @@ class Burst:
 
 # --- watches: every version of the objects, in the order the API server sent them ------------
 
-class Watch:
-    """`kubectl get RESOURCE -w --output-watch-events -o json` in the background. Each event
-    keeps the wall-clock time it arrived, so the test can line events up with its own steps."""
+class Watch(KubectlWatch):
+    """A watch whose events keep the wall-clock time they arrived, to line up with status times."""
 
-    def __init__(self, env: Mapping[str, str], resource: str, *selector: str) -> None:
-        self.events: list[tuple[float, str, Obj]] = []
-        self._lock = threading.Lock()
-        self._proc = subprocess.Popen(["kubectl", "get", resource, *selector, "-w", "--output-watch-events",
-                                       "-o", "json"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                      text=True, env=dict(env))
-        self._thread = threading.Thread(target=self._read, daemon=True)
-        self._thread.start()
-
-    def _read(self) -> None:
-        decoder = json.JSONDecoder()
-        buffer = ""
-        assert self._proc.stdout is not None
-        for line in self._proc.stdout:
-            buffer += line
-            while buffer.strip():
-                try:
-                    event, end = decoder.raw_decode(buffer.lstrip())
-                except ValueError:
-                    break
-                buffer = buffer.lstrip()[end:]
-                with self._lock:
-                    self.events.append((time.time(), event["type"], event["object"]))
-
-    def snapshot(self, since: float = 0.0) -> list[tuple[float, str, Obj]]:
-        with self._lock:
-            return [e for e in self.events if e[0] >= since]
-
-    def stop(self) -> None:
-        self._proc.terminate()
-        try:
-            self._proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait()
-        self._thread.join(5)
+    clock = staticmethod(time.time)
 
 
 def status_of(obj: Obj) -> Obj:

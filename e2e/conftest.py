@@ -12,7 +12,6 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -21,6 +20,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import pytest
+
+from kubectl_watch import KubectlWatch
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S_VERSION = "1.33"  # what kubernetes-validate checks generated objects against
@@ -115,8 +116,8 @@ class Stack:
     chat = staticmethod(lambda *a, **k: chat(*a, **k))
     validate_generated = staticmethod(lambda objs: validate_generated(objs))
 
-    def watch_pods(self, selector: str) -> "PodWatch":
-        return PodWatch(self, selector)
+    def watch_pods(self, selector: str) -> KubectlWatch:
+        return KubectlWatch(self.env, "pods", "-l", selector)
 
     def engine_pids(self) -> dict[str, int]:
         try:
@@ -134,44 +135,6 @@ def chat(url: str, model: str, key: str | None = None, timeout: float = 120) -> 
     request = urllib.request.Request(f"{url}/v1/chat/completions", data=body, headers=headers, method="POST")
     with urllib.request.urlopen(request, timeout=timeout) as response:
         return str(json.loads(response.read())["choices"][0]["message"]["content"])
-
-
-class PodWatch:
-    """`kubectl get pods -w --output-watch-events -o json` in the background: every event,
-    in the order the API server sent them."""
-
-    def __init__(self, stack: Stack, selector: str) -> None:
-        self.events: list[tuple[float, str, dict[str, Any]]] = []
-        self._proc = subprocess.Popen(["kubectl", "get", "pods", "-l", selector, "-w", "--output-watch-events",
-                                       "-o", "json"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                                      env=stack.env)
-        self._thread = threading.Thread(target=self._read, daemon=True)
-        self._thread.start()
-
-    def _read(self) -> None:
-        decoder = json.JSONDecoder()
-        buffer = ""
-        assert self._proc.stdout is not None
-        for line in self._proc.stdout:
-            buffer += line
-            while buffer.strip():
-                try:
-                    event, end = decoder.raw_decode(buffer.lstrip())
-                except ValueError:
-                    break
-                buffer = buffer.lstrip()[end:]
-                self.events.append((time.monotonic(), event["type"], event["object"]))
-
-    def stop(self) -> None:
-        self._proc.terminate()
-        self._proc.wait(10)
-        self._thread.join(5)
-
-    def __enter__(self) -> "PodWatch":
-        return self
-
-    def __exit__(self, *_: Any) -> None:
-        self.stop()
 
 
 def _stack(tmp_path_factory: pytest.TempPathFactory, *args: str, router: bool) -> Iterator[Stack]:

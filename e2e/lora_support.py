@@ -11,9 +11,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import threading
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -21,6 +18,8 @@ from typing import Any, Mapping
 
 import numpy as np
 from safetensors.numpy import save_file
+
+from kubectl_watch import KubectlWatch
 
 # SmolLM2-135M: hidden 576, 3 KV heads of 64, MLP 1536, 30 layers.
 SMOLLM2_LAYERS = 30
@@ -107,42 +106,6 @@ def error_message(body: Any) -> str:
     return str(body)
 
 
-class ObjectWatch:
-    """``kubectl get <what> -w --output-watch-events -o json`` in the background: every
-    (monotonic time, event type, object), in the order the API server sent them."""
+ObjectWatch = KubectlWatch  # every (monotonic time, event type, object), in order
 
-    def __init__(self, env: Mapping[str, str], *what: str) -> None:
-        self.events: list[tuple[float, str, dict[str, Any]]] = []
-        self._lock = threading.Lock()
-        self._proc = subprocess.Popen(["kubectl", "get", *what, "-w", "--output-watch-events", "-o", "json"],
-                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=dict(env))
-        self._thread = threading.Thread(target=self._read, daemon=True)
-        self._thread.start()
 
-    def _read(self) -> None:
-        decoder = json.JSONDecoder()
-        buffer = ""
-        assert self._proc.stdout is not None
-        for line in self._proc.stdout:
-            buffer += line
-            while buffer.strip():
-                try:
-                    event, end = decoder.raw_decode(buffer.lstrip())
-                except ValueError:
-                    break
-                buffer = buffer.lstrip()[end:]
-                with self._lock:
-                    self.events.append((time.monotonic(), event["type"], event["object"]))
-
-    def snapshot(self) -> list[tuple[float, str, dict[str, Any]]]:
-        with self._lock:
-            return list(self.events)
-
-    def stop(self) -> None:
-        self._proc.terminate()
-        try:
-            self._proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait()
-        self._thread.join(5)

@@ -63,7 +63,6 @@ def adapter_dirs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str,
     outside = tmp_path_factory.mktemp("lora-outside")
     dirs = {
         "root": root,
-        "outside": outside,
         # rank 8 on q/v/down of all 30 layers: changes SmolLM2's greedy answer
         "french": write_peft_adapter(root / "french", rank=8, alpha=32, seed=7),
         # rank 16 > maxRank 8 (one small module: the rank check comes first anyway)
