@@ -11,7 +11,7 @@ for stage in "$@"; do
   case $stage in
     tests) timeout ${T_TESTS:-400} $PY -m pytest -q -p no:cacheprovider -o addopts= \
              -m gpu ${TEST_FILES:-tests/engine/test_kernels.py tests/engine/test_cuda_graphs.py} 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
-    tidal-0.6b) timeout ${T_TIDAL06:-420} $PY benchmarks/gpu_bench.py --shape qwen3-0.6b --suite tidal --out "$OUT/tidal-qwen3-0.6b.json" 2>&1 | cut -c1-400 ;;
+    tidal-0.6b) timeout ${T_TIDAL06:-420} $PY benchmarks/gpu_bench.py --shape qwen3-0.6b --suite tidal --skip ${SKIP06:-none} --out "$OUT/tidal-qwen3-0.6b.json" 2>&1 | cut -c1-400 ;;
     tidal-8b) timeout ${T_TIDAL8:-480} $PY benchmarks/gpu_bench.py --shape qwen3-8b --suite tidal --skip ${SKIP8:-startup_warm} --out "$OUT/tidal-qwen3-8b.json" 2>&1 | cut -c1-400 ;;
     smoke-0.6b) timeout 200 $PY benchmarks/gpu_bench.py --shape qwen3-0.6b --suite smoke --out "$OUT/smoke-qwen3-0.6b.json" 2>&1 | cut -c1-400 ;;
     hf-0.6b) timeout ${T_HF06:-420} $PY benchmarks/gpu_bench.py --shape qwen3-0.6b --suite hf --out "$OUT/hf-qwen3-0.6b.json" 2>&1 | cut -c1-400 ;;

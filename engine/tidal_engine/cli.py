@@ -118,6 +118,8 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="reuse KV blocks of shared prompt prefixes")
     sched.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                        help="split long prompts across steps")
+    sched.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                       help="schedule the next step while the device runs this one (default: on with CUDA)")
     sched.add_argument("--enable-sleep-mode", action="store_true",
                        help="allow /sleep and /wake_up (free device memory on demand)")
 
@@ -243,6 +245,7 @@ def engine_config(parser: argparse.ArgumentParser, args: argparse.Namespace, mod
             enable_prefix_caching=args.enable_prefix_caching,
             enable_chunked_prefill=args.enable_chunked_prefill,
             enforce_eager=args.enforce_eager,
+            async_scheduling=args.async_scheduling,
             enable_sleep_mode=args.enable_sleep_mode,
             enable_lora=args.enable_lora,
             max_loras=args.max_loras or 1,

@@ -29,6 +29,9 @@ class EngineConfig:
     # Prefill and mixed steps of up to 2048 tokens replay CUDA graphs too (token-count
     # buckets, see runner/mixed_graphs.py); False: they run eagerly.
     mixed_cuda_graphs: bool = True
+    # Schedule and launch step N+1 while step N runs on the device, feeding N's sampled ids
+    # to N+1 on the device (docs/internals.md). None: on for CUDA, off on CPU (no overlap there).
+    async_scheduling: bool | None = None
     enable_sleep_mode: bool = False
     # Multi-LoRA (docs/lora.md): adapters active in one batch, max rank, host cache size
     # (None: max_loras), adapters loaded at start (name → folder), and the folders runtime

@@ -100,7 +100,7 @@ def test_serve_maps_flags_to_config_and_settings(monkeypatch: pytest.MonkeyPatch
         "--seed", "7", "--dtype", "bfloat16", "--device", "cpu", "--max-model-len", "512", "--max-num-seqs", "8",
         "--max-num-batched-tokens", "1024", "--block-size", "32", "--gpu-memory-utilization", "0.5",
         "--kv-cache-memory-bytes", "2Gi", "--num-gpu-blocks-override", "100", "--no-enable-prefix-caching",
-        "--no-enable-chunked-prefill", "--enable-sleep-mode", "--enforce-eager", "--allowed-origins",
+        "--no-enable-chunked-prefill", "--enable-sleep-mode", "--enforce-eager", "--no-async-scheduling", "--allowed-origins",
         "https://a.example", "--no-protect-metrics", "--disable-log-requests", "--max-request-body-bytes", "1M",
         "--shutdown-timeout", "5",
     ])
@@ -114,6 +114,7 @@ def test_serve_maps_flags_to_config_and_settings(monkeypatch: pytest.MonkeyPatch
     assert config.num_gpu_blocks_override == 100
     assert not config.enable_prefix_caching and not config.enable_chunked_prefill
     assert config.enable_sleep_mode and config.enforce_eager
+    assert config.async_scheduling is False  # None (the default) means: on with CUDA
     assert (settings.host, settings.port, settings.served_model_names) == ("0.0.0.0", 9000, ["smol", "alias"])
     assert settings.api_key == "from-env"
     assert settings.allowed_origins == ["https://a.example"]

@@ -134,8 +134,9 @@ def test_decode_step_padded_to_bucket() -> None:
     bt = got["block_tables"].reshape(8, 2)
     assert bt[:3].tolist() == [[3, 9], [5, 0], [1, 2]] and (bt[3:] == 0).all()
     # The graph's static buffer has the same layout up to the end of query_start_loc.
-    assert {k: v for k, v in layout.offsets().items() if k not in ("sample_rows", "block_tables")} == {
-        k: v for k, v in packed_offsets(8, 8, 0, 0).items() if k not in ("sample_rows", "block_tables")
+    per_step = ("sample_rows", "block_tables", "feed_rows", "feed_src")
+    assert {k: v for k, v in layout.offsets().items() if k not in per_step} == {
+        k: v for k, v in packed_offsets(8, 8, 0, 0).items() if k not in per_step
     }
 
 
@@ -332,3 +333,17 @@ def test_sleep_wake_recaptures(tiny_dir: Path) -> None:
         params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
         again = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]  # type: ignore[attr-defined]
         assert again == first
+
+
+@on_gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_async_scheduling_matches_sync_on_gpu(tiny_dir: Path, dtype: str) -> None:
+    # Steps launched before the previous tokens are on the host, fed on the device, through
+    # both graph kinds. bf16: equal lengths, so both modes run the same batches; fp32: requests
+    # end at different steps (async computes one extra step for none of them: held at length).
+    prompts = PROMPTS + [p[::-1] for p in PROMPTS]
+    lengths = [48] * 16 if dtype == "bfloat16" else [10 + 5 * i for i in range(16)]
+    sync, _ = _generate(tiny_dir, prompts, lengths, dtype=dtype, async_scheduling=False)
+    got, llm = _generate(tiny_dir, prompts, lengths, dtype=dtype, async_scheduling=True)
+    assert llm.engine.async_scheduling and llm.engine.runner.graphs.num_replays > 0  # type: ignore[attr-defined]
+    assert got == sync

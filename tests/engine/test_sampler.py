@@ -47,8 +47,12 @@ def test_greedy_is_argmax() -> None:
     out = Sampler()(logits, [row(SamplingParams(temperature=0.0)) for _ in range(6)])
     assert out.token_ids == logits.argmax(dim=-1).tolist()
     assert out.logprobs == [None] * 6
+    # Without logprobs nothing is computed for them (cumulative_logprob stays None, as in vLLM V1).
+    assert out.sampled_logprob == [None] * 6
+    with_lp = Sampler()(logits, [row(SamplingParams(temperature=0.0, logprobs=0)) for _ in range(6)])
+    assert with_lp.token_ids == out.token_ids
     expected = torch.log_softmax(logits, -1).gather(1, logits.argmax(-1, keepdim=True)).squeeze(1)
-    assert out.sampled_logprob == pytest.approx(expected.tolist())
+    assert with_lp.sampled_logprob == pytest.approx(expected.tolist())
 
 
 def test_logits_not_modified() -> None:

@@ -46,6 +46,7 @@ class KVCacheManager:
         self.block_pool = BlockPool(num_blocks, block_size)
         self.prefix_cache_stats = PrefixCacheStats()
         self._req_blocks: dict[str, list[Block]] = {}
+        self._req_block_ids: dict[str, list[int]] = {}  # the same tables as ids (read every step)
         # How many leading blocks of each request cache_full_blocks has already processed.
         self._num_cached_blocks: dict[str, int] = {}
 
@@ -71,7 +72,8 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching:
             return [], 0
-        hashes = request.update_block_hashes(self.block_size)
+        # The last token is always recomputed, so the hit never needs its block's hash.
+        hashes = request.update_block_hashes(self.block_size, request.num_tokens - 1)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         blocks: list[Block] = []
         for block_hash in hashes[:max_hit_blocks]:
@@ -93,6 +95,8 @@ class KVCacheManager:
         """
         blocks = self._req_blocks.get(request.request_id)
         computed = computed_blocks or []
+        if blocks and not computed and request.num_computed_tokens + num_new_tokens <= len(blocks) * self.block_size:
+            return list(self._req_block_ids[request.request_id])  # the common decode step: room left
         if computed and blocks:
             raise ValueError(f"request {request.request_id} already has blocks; prefix hits are for new requests")
         num_held = len(blocks) if blocks else 0
@@ -105,6 +109,7 @@ class KVCacheManager:
 
         if blocks is None:  # admission of a fresh or preempted request
             blocks = self._req_blocks[request.request_id] = []
+            self._req_block_ids[request.request_id] = []
             self._num_cached_blocks[request.request_id] = len(computed)
             if self.enable_prefix_caching and request.num_computed_tokens == 0:
                 stats = self.prefix_cache_stats
@@ -112,9 +117,11 @@ class KVCacheManager:
                 stats.queries += request.num_tokens
                 stats.hits += len(computed) * self.block_size
         self.block_pool.touch(computed)
-        blocks.extend(computed)
-        blocks.extend(self.block_pool.get_new_blocks(num_new_blocks))
-        return [b.block_id for b in blocks]
+        added = computed + self.block_pool.get_new_blocks(num_new_blocks)
+        blocks.extend(added)
+        ids = self._req_block_ids[request.request_id]
+        ids.extend(b.block_id for b in added)
+        return list(ids)
 
     def cache_full_blocks(self, request: Request) -> None:
         """Register the request's newly full, computed blocks in the prefix cache.
@@ -132,7 +139,7 @@ class KVCacheManager:
         num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
         if num_full <= start:
             return
-        hashes = request.update_block_hashes(self.block_size)
+        hashes = request.update_block_hashes(self.block_size, request.num_computed_tokens)
         for index in range(start, num_full):
             self.block_pool.cache_block(blocks[index], hashes[index])
         self._num_cached_blocks[request.request_id] = num_full
@@ -144,6 +151,7 @@ class KVCacheManager:
         land nearer the head of the free queue and are evicted first.
         """
         blocks = self._req_blocks.pop(request.request_id, None)
+        self._req_block_ids.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)
         if blocks:
             self.block_pool.free_blocks(reversed(blocks))

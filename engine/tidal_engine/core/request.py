@@ -32,6 +32,10 @@ _FINISHED = frozenset(
     {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED}
 )
 
+# Async scheduling appends this in place of a token still being sampled on the device; the
+# engine fills in the real id before anything reads it on the host (no real id is negative).
+PLACEHOLDER_TOKEN = -1
+
 
 class Request:
     """Token ids plus scheduling progress.
@@ -93,17 +97,32 @@ class Request:
         self.output_token_ids.append(token_id)
         self._all_token_ids.append(token_id)
 
-    def update_block_hashes(self, block_size: int) -> list[BlockHash]:
-        """Extend ``block_hashes`` to cover every full block of ``all_token_ids`` and return it.
+    @property
+    def has_placeholder(self) -> bool:
+        """The last token is a placeholder for one still being sampled (async scheduling)."""
+        return self._all_token_ids[-1] == PLACEHOLDER_TOKEN
+
+    def fill_placeholder(self, token_id: int) -> None:
+        """Put the sampled id where ``append_output_token(PLACEHOLDER_TOKEN)`` held its place."""
+        if not self.has_placeholder:
+            raise ValueError(f"request {self.request_id!r} has no placeholder token to fill")
+        self.output_token_ids[-1] = token_id
+        self._all_token_ids[-1] = token_id
+
+    def update_block_hashes(self, block_size: int, num_tokens: int | None = None) -> list[BlockHash]:
+        """Extend ``block_hashes`` to cover every full block of the first ``num_tokens``
+        tokens (default: all) and return it.
 
         Tokens are append-only, so hashes already computed stay valid (also across
-        preemption); each call hashes only blocks that became full since the last one.
+        preemption); each call hashes only blocks that became full since the last one. A
+        placeholder token (async scheduling) is never hashed: callers bound ``num_tokens``
+        by what is computed.
         """
         if self._hash_block_size is None:
             self._hash_block_size = block_size
         elif self._hash_block_size != block_size:
             raise ValueError(f"block size changed from {self._hash_block_size} to {block_size}")
-        num_full_blocks = self.num_tokens // block_size
+        num_full_blocks = (self.num_tokens if num_tokens is None else min(num_tokens, self.num_tokens)) // block_size
         while len(self.block_hashes) < num_full_blocks:
             index = len(self.block_hashes)
             parent = self.block_hashes[-1] if index else None

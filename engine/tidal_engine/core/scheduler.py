@@ -35,6 +35,7 @@ from __future__ import annotations
 import itertools
 from bisect import insort
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -188,7 +189,9 @@ class Scheduler:
         return len(self.waiting)
 
     # ---- one step -----------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, hold: Collection[str] = ()) -> SchedulerOutput:
+        """Build the next step. Running requests named in ``hold`` sit it out (async
+        scheduling holds those whose in-flight token is their last)."""
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, ScheduledChunk] = {}  # insertion order = batch order
         preempted: list[Request] = []
@@ -205,8 +208,9 @@ class Scheduler:
 
         # Phase 1: decodes; phase 2: prefill chunks of running requests. Snapshots, because
         # preemption removes requests from self.running while we iterate.
-        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        active = [r for r in self.running if r.request_id not in hold] if hold else self.running
+        decodes = [r for r in active if r.num_tokens - r.num_computed_tokens == 1]
+        prefills = [r for r in active if r.num_tokens - r.num_computed_tokens > 1]
         for request in decodes + prefills:
             if budget == 0:
                 break

@@ -3,6 +3,14 @@
 ``step()`` = schedule → run the model → sample → append tokens → detokenize →
 check stops → report. Everything that needs torch lives in the model runner;
 everything about batching lives in the scheduler.
+
+Async scheduling (on by default on CUDA) keeps one step in flight: ``step()`` advances the
+in-flight step N with placeholder tokens, schedules and launches N+1 (whose decodes read
+N's sampled ids on the device), and only then waits for N's ids and does N's host work
+(detokenizing, stop checks) while the device runs N+1. A request that stops at N has one
+step computed for nothing; one whose N token is its last (max_tokens, the context) is held
+out of N+1. Rows whose next draw needs their tokens on the host (penalties, grammars,
+logprobs) or a LoRA adapter make that step synchronous.
 """
 
 from __future__ import annotations
@@ -16,14 +24,14 @@ import torch
 
 from tidal_engine.config import EngineConfig
 from tidal_engine.core.kv_cache_manager import KVCacheManager
-from tidal_engine.core.request import Request, RequestStatus
-from tidal_engine.core.scheduler import Scheduler, SchedulerConfig
+from tidal_engine.core.request import PLACEHOLDER_TOKEN, Request, RequestStatus
+from tidal_engine.core.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from tidal_engine.lora import AdapterInfo, LoRAAdapter, LoRAError, LoRAManager
 from tidal_engine.models.loader import resolve_dtype, resolve_model
 from tidal_engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from tidal_engine.runner.detokenizer import IncrementalDetokenizer, decode_token
 from tidal_engine.runner.model_runner import ModelRunner
-from tidal_engine.runner.sampler import SamplingRow, make_generator
+from tidal_engine.runner.sampler import SampledTokens, SamplingRow, make_generator, needs_host_history
 from tidal_engine.sampling_params import SamplingParams
 from tidal_engine.structured import GrammarCompilerCache, GrammarMatcher
 
@@ -64,6 +72,17 @@ class _Sample:
     stop_reason: int | str | None = None
     row: SamplingRow | None = None  # built once: it holds the request's (growing) token lists
     grammar: GrammarMatcher | None = None  # structured outputs: where the sample is in its grammar
+
+
+@dataclass
+class _Step:
+    """A launched step: what was scheduled and its samples (on the device until awaited)."""
+
+    output: SchedulerOutput
+    sampling_chunks: list[ScheduledChunk]
+    rows: list[SamplingRow]
+    sampled: SampledTokens | None
+    advanced: bool = False  # the scheduler has moved on with placeholder tokens
 
 
 @dataclass
@@ -132,6 +151,8 @@ class LLMEngine:
         self._grammars: GrammarCompilerCache | None = None  # built on the first structured request
         # Guards against concurrent sleep/wake/reset from different threads.
         self._state_lock = threading.Lock()
+        self.async_scheduling = config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
+        self._in_flight: _Step | None = None
         self.lora_manager: LoRAManager | None = self.runner.lora_manager
         for lora_name, lora_path in (config.lora_modules or {}).items():
             self.add_lora(self.read_lora(lora_name, lora_path, at_startup=True))
@@ -230,7 +251,8 @@ class LLMEngine:
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
-        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        # set(map(type, ...)): one C-level pass, which matters for prompts of thousands of ids.
+        if isinstance(prompt, list) and set(map(type, prompt)) <= {int}:
             return None, list(prompt)
         raise ValueError("prompt must be a string or a list of token ids")
 
@@ -238,9 +260,9 @@ class LLMEngine:
         if not token_ids:
             raise ValueError("the prompt is empty")
         vocab = self.source.arch_config.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is out of the vocabulary (size {vocab})")
+        if min(token_ids) < 0 or max(token_ids) >= vocab:
+            bad = next(t for t in token_ids if not 0 <= t < vocab)
+            raise ValueError(f"token id {bad} is out of the vocabulary (size {vocab})")
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
                 f"this model's maximum context length is {self.max_model_len} tokens, but the prompt has "
@@ -264,31 +286,80 @@ class LLMEngine:
     # ---- the step --------------------------------------------------------------------
     def step(self, final_only: bool = False) -> list[RequestOutput]:
         """One scheduled forward; returns an output for each request it advanced (with
-        ``final_only``, for each request it finished: offline callers skip building the rest)."""
+        ``final_only``, for each request it finished: offline callers skip building the rest).
+        With async scheduling the outputs are those of the step launched by the previous call,
+        and the next step is already running when this returns."""
         if self._sleep_level:
             return []
-        output = self.scheduler.schedule()
+        if self._in_flight is None:
+            self._in_flight = self._launch(self.scheduler.schedule(), previous=None)
+            if self._in_flight is None:
+                return []
+        current, self._in_flight = self._in_flight, None
+        if self.async_scheduling and self._can_run_ahead(current):
+            hold = self._advance_with_placeholders(current)
+            self._in_flight = self._launch(self.scheduler.schedule(hold=hold), previous=current)
+        return self._complete(current, final_only)
+
+    def _launch(self, output: SchedulerOutput, previous: _Step | None) -> _Step | None:
+        """Queue a scheduled step on the device; chunks whose token is one of ``previous``'s
+        samples read it there."""
         if not output.chunks:
-            return []
+            return None
         now = time.time()
         self._max_running_seen = max(self._max_running_seen, len(output.chunks))
         for chunk in output.chunks:
             parent = self._parents[self._samples[chunk.request.request_id].parent_id]
             if parent.metrics.first_scheduled_time is None:
                 parent.metrics.first_scheduled_time = now
+        feeds: dict[int, int] = {}
+        if previous is not None:
+            sample_index = {c.request.request_id: i for i, c in enumerate(previous.sampling_chunks)}
+            for i, chunk in enumerate(output.chunks):
+                if chunk.request.has_placeholder:
+                    feeds[i] = sample_index[chunk.request.request_id]
         sampling_chunks = [c for c in output.chunks if c.samples]
         rows = [self._sampling_row(self._samples[c.request.request_id]) for c in sampling_chunks]
-        sampled = self.runner.execute(output, rows)
-        tokens = {c.request.request_id: sampled.token_ids[i] for i, c in enumerate(sampling_chunks)} if sampled else {}
-        self.scheduler.update_from_output(output, tokens)
+        sampled = self.runner.execute(output, rows, feeds, previous.sampled if previous else None)
+        return _Step(output, sampling_chunks, rows, sampled)
 
+    def _can_run_ahead(self, step: _Step) -> bool:
+        """May the next step be scheduled before this one's tokens are known on the host?"""
+        return not any(needs_host_history(row) for row in step.rows) and not any(
+            c.request.lora_name is not None for c in step.output.chunks
+        )
+
+    def _advance_with_placeholders(self, step: _Step) -> set[str]:
+        """Move the scheduler past ``step`` as if its tokens were known (placeholders stand in
+        for them). Returns the requests whose placeholder is their last token: hold them."""
+        self.scheduler.update_from_output(step.output, {c.request.request_id: PLACEHOLDER_TOKEN for c in step.sampling_chunks})
+        step.advanced = True
+        hold: set[str] = set()
+        for chunk in step.sampling_chunks:
+            req = chunk.request
+            if req.has_placeholder and (
+                req.num_output_tokens >= (req.sampling_params.max_tokens or 0) or req.num_tokens >= self.max_model_len
+            ):
+                hold.add(req.request_id)
+        return hold
+
+    def _complete(self, step: _Step, final_only: bool) -> list[RequestOutput]:
+        """Wait for the step's samples, then record them: stops, text, outputs."""
+        sampled = step.sampled.result() if step.sampled is not None else None
+        if not step.advanced:
+            tokens = {c.request.request_id: sampled.token_ids[i] for i, c in enumerate(step.sampling_chunks)} if sampled else {}
+            self.scheduler.update_from_output(step.output, tokens)
         now = time.time()
         touched: dict[str, _Parent] = {}
-        for i, chunk in enumerate(sampling_chunks):
-            sample = self._samples[chunk.request.request_id]
+        for i, chunk in enumerate(step.sampling_chunks):
+            sample = self._samples.get(chunk.request.request_id)
+            if sample is None or sample.request is not chunk.request:
+                continue  # finished or aborted since the step was launched
+            assert sampled is not None
+            if step.advanced:
+                chunk.request.fill_placeholder(sampled.token_ids[i])
             parent = self._parents[sample.parent_id]
             touched[parent.request_id] = parent
-            assert sampled is not None
             self._on_token(sample, sampled.token_ids[i], sampled.logprobs[i], sampled.sampled_logprob[i])
             parent.metrics.first_token_time = parent.metrics.first_token_time or now
             parent.metrics.last_token_time = now
@@ -297,6 +368,13 @@ class LLMEngine:
                 for index in range(1, parent.params.n):
                     self._add_sample(parent, index)
         return [self._finish_output(parent, now) for parent in touched.values() if not final_only or parent.finished]
+
+    def _settle_in_flight(self) -> None:
+        """Wait for a step still in flight and drop it (only steps whose requests are all
+        gone are left in flight between calls, so nothing is lost)."""
+        step, self._in_flight = self._in_flight, None
+        if step is not None:
+            self._complete(step, final_only=True)
 
     def _sampling_row(self, sample: _Sample) -> SamplingRow:
         req, row = sample.request, sample.row
@@ -311,11 +389,14 @@ class LLMEngine:
             )
         return row
 
-    def _on_token(self, sample: _Sample, token_id: int, logprobs: dict[int, Logprob] | None, logprob: float) -> None:
+    def _on_token(
+        self, sample: _Sample, token_id: int, logprobs: dict[int, Logprob] | None, logprob: float | None
+    ) -> None:
         """Record one sampled token (already appended by the scheduler) and check every stop rule."""
         self._generation_tokens_total += 1
         req, params = sample.request, sample.request.sampling_params
-        sample.cumulative_logprob += logprob
+        if logprob is not None:
+            sample.cumulative_logprob += logprob
         if sample.logprobs is not None and logprobs is not None:
             for tid, entry in logprobs.items():
                 entry.decoded_token = decode_token(self.tokenizer, tid)
@@ -381,7 +462,8 @@ class LLMEngine:
             index=index,
             text=sample.detokenizer.safe_text(finished=sample.finish_reason is not None),
             token_ids=list(sample.request.output_token_ids),
-            cumulative_logprob=sample.cumulative_logprob,
+            # Only with logprobs on, as in vLLM V1 (the sampler computes them for those rows only).
+            cumulative_logprob=sample.cumulative_logprob if sample.logprobs is not None else None,
             logprobs=sample.logprobs,
             finish_reason=sample.finish_reason,
             stop_reason=sample.stop_reason,
@@ -469,6 +551,7 @@ class LLMEngine:
                 raise RuntimeError("cannot sleep with requests in flight; drain or abort them first")
             if self._sleep_level:
                 return
+            self._settle_in_flight()  # a last step computed for finished requests may still run
             self.kv_cache_manager.reset_prefix_cache()  # its blocks are about to vanish
             self.runner.release_kv_cache()
             if level == 1:

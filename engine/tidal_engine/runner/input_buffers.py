@@ -4,7 +4,7 @@ Everything the forward pass needs besides the weights and the KV cache is a hand
 small integer arrays. They are packed into ONE int64 array, in this order (each array 32-byte aligned)::
 
     input_ids[T] | positions[T] | slot_mapping[T] | seq_lens[S] | query_start_loc[S+1]
-    | sample_rows[N] | block_tables[S * W]
+    | sample_rows[N] | block_tables[S * W] | feed_rows[F] | feed_src[F]
 
 so a step costs one pinned host→device copy (non-blocking), and the device views of the
 packed buffer are the model's inputs. For a CUDA-graph step the batch is padded to a
@@ -12,6 +12,10 @@ bucket B (T = S = B): the entries up to the end of query_start_loc then have the
 layout as the graph's static buffer (``packed_offsets(B, B, 0, 0)``), so one device copy
 refreshes them, and a second one puts the block
 table into the graph's fixed-width table.
+
+Async scheduling stages a step before the previous one's tokens are back on the host: a
+chunk whose input token is still being sampled is *fed* on the device, ``input_ids[feed_rows[j]]
+= previous_sampled_ids[feed_src[j]]``, right after the upload (the host wrote 0 there).
 
 Padding rows (decode-only steps padded to a bucket) are dummy sequences of one token:
 token 0 at position 0, ``seq_len`` 1, slot -1 (their K/V is written nowhere) and a block
@@ -74,6 +78,9 @@ class ChunkInput:
     start: int  # position of the first one (= tokens already computed)
     block_ids: list[int]  # the request's block table
     samples: bool  # a token is sampled after this chunk
+    # Async scheduling: the chunk's (single) token is the previous step's sample number
+    # ``feed_index``, still on the device; -1: the token is known on the host.
+    feed_index: int = -1
 
 
 @dataclass
@@ -90,13 +97,15 @@ class StepLayout:
     query_start_loc: list[int]  # host copies (the torch backend reads these)
     seq_lens: list[int]
     sample_rows: list[int]
+    feed_rows: list[int]  # rows of input_ids to take from the previous step's samples...
+    feed_src: list[int]  # ...and which of them
 
     @property
     def total(self) -> int:
-        return self.offsets()["block_tables"][1]
+        return self.offsets()["feed_src"][1]
 
     def offsets(self) -> dict[str, tuple[int, int]]:
-        return packed_offsets(self.num_tokens, self.num_seqs, self.num_samples, self.width)
+        return packed_offsets(self.num_tokens, self.num_seqs, self.num_samples, self.width, len(self.feed_rows))
 
 
 # Each array starts on a 32-byte boundary: Triton specialises kernels on 16-byte pointer
@@ -104,7 +113,9 @@ class StepLayout:
 _ALIGN = 4  # int64 elements
 
 
-def packed_offsets(num_tokens: int, num_seqs: int, num_samples: int, width: int) -> dict[str, tuple[int, int]]:
+def packed_offsets(
+    num_tokens: int, num_seqs: int, num_samples: int, width: int, num_feeds: int = 0
+) -> dict[str, tuple[int, int]]:
     """[start, end) of each array in the packed int64 buffer (starts aligned to 32 bytes)."""
     t, s = num_tokens, num_seqs
     spans = [
@@ -115,6 +126,8 @@ def packed_offsets(num_tokens: int, num_seqs: int, num_samples: int, width: int)
         ("query_start_loc", s + 1),
         ("sample_rows", num_samples),
         ("block_tables", s * width),
+        ("feed_rows", num_feeds),
+        ("feed_src", num_feeds),
     ]
     out: dict[str, tuple[int, int]] = {}
     at = 0
@@ -155,6 +168,9 @@ def plan_step(chunks: list[ChunkInput], pad_to: int | None = None, pad_tokens_to
         seq_lens = [c.start + n for c, n in zip(chunks, q_lens)] + [0] * pad
         num_tokens = pad_tokens_to
     rows = [query_start[i + 1] - 1 for i, c in enumerate(chunks) if c.samples]
+    fed = [i for i, c in enumerate(chunks) if c.feed_index >= 0]
+    if any(q_lens[i] != 1 for i in fed):
+        raise ValueError("only one-token chunks take their token from the previous step")
     return StepLayout(
         num_tokens=num_tokens,
         num_seqs=num_seqs,
@@ -166,6 +182,8 @@ def plan_step(chunks: list[ChunkInput], pad_to: int | None = None, pad_tokens_to
         query_start_loc=query_start,
         seq_lens=seq_lens,
         sample_rows=rows,
+        feed_rows=[query_start[i] for i in fed],
+        feed_src=[chunks[i].feed_index for i in fed],
     )
 
 
@@ -212,6 +230,8 @@ def fill_step(buf: np.ndarray, layout: StepLayout, chunks: list[ChunkInput], blo
     span("seq_lens")[:] = layout.seq_lens
     span("query_start_loc")[:] = layout.query_start_loc
     span("sample_rows")[:] = layout.sample_rows
+    span("feed_rows")[:] = layout.feed_rows
+    span("feed_src")[:] = layout.feed_src
 
 
 class PinnedStaging:

@@ -31,7 +31,8 @@ from tidal_engine.runner.input_buffers import (
     plan_step,
 )
 from tidal_engine.runner.mixed_graphs import MixedGraphs
-from tidal_engine.runner.sampler import Sampler, SamplerOutput, SamplingRow
+from tidal_engine.core.request import PLACEHOLDER_TOKEN
+from tidal_engine.runner.sampler import SampledTokens, Sampler, SamplingRow
 
 logger = logging.getLogger(__name__)
 
@@ -154,17 +155,24 @@ class ModelRunner:
         return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.kv_spec.num_layers)]
 
     # ---- one step --------------------------------------------------------------------
-    def _chunk_inputs(self, output: SchedulerOutput) -> list[ChunkInput]:
+    def _chunk_inputs(self, output: SchedulerOutput, feeds: dict[int, int] | None) -> list[ChunkInput]:
         chunks = []
-        for chunk in output.chunks:
+        for i, chunk in enumerate(output.chunks):
             req = chunk.request
             start = req.num_computed_tokens
+            feed = feeds.get(i, -1) if feeds else -1
+            token_ids = req.all_token_ids[start : start + chunk.num_new_tokens]
+            if feed >= 0:
+                token_ids = [0]  # the placeholder; the device writes the real id
+            elif token_ids and token_ids[-1] == PLACEHOLDER_TOKEN:
+                raise RuntimeError(f"request {req.request_id}: a placeholder token reached the runner unfed")
             chunks.append(
                 ChunkInput(
-                    token_ids=req.all_token_ids[start : start + chunk.num_new_tokens],
+                    token_ids=token_ids,
                     start=start,
                     block_ids=chunk.block_ids,
                     samples=chunk.samples,
+                    feed_index=feed,
                 )
             )
         return chunks
@@ -186,18 +194,28 @@ class ModelRunner:
         return self.mixed_graphs.bucket(num_tokens, len(chunks), width)
 
     def _stage(
-        self, chunks: list[ChunkInput], pad_to: int | None, pad_tokens_to: int | None = None
+        self,
+        chunks: list[ChunkInput],
+        pad_to: int | None,
+        pad_tokens_to: int | None = None,
+        previous: torch.Tensor | None = None,
     ) -> tuple[StepLayout, torch.Tensor]:
-        """Pack the step into a pinned buffer and start its (async) copy to the device."""
+        """Pack the step into a pinned buffer and start its (async) copy to the device; then
+        feed the chunks whose token is among ``previous`` (the last step's sampled ids)."""
         layout = plan_step(chunks, pad_to, pad_tokens_to)
         buf = self.staging.host_buffer(layout.total)
         fill_step(buf, layout, chunks, self.config.block_size)
-        return layout, self.staging.upload(layout.total)
+        staged = self.staging.upload(layout.total)
+        if layout.feed_rows:
+            if previous is None:
+                raise RuntimeError("a step takes tokens from the previous one, which was not given")
+            _feed_input_ids(staged, layout, previous)
+        return layout, staged
 
     def prepare_inputs(self, output: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """Flatten the scheduled chunks (no padding). Returns ids, positions, metadata and the
         row of each sampling request's last token in the flat batch."""
-        layout, staged = self._stage(self._chunk_inputs(output), None)
+        layout, staged = self._stage(self._chunk_inputs(output, None), None)
         ids, positions, meta, _ = self._views(layout, staged)
         return ids, positions, meta, layout.sample_rows
 
@@ -222,33 +240,49 @@ class ModelRunner:
         return view("input_ids"), view("positions"), meta, view("sample_rows")
 
     @torch.inference_mode()
-    def execute(self, output: SchedulerOutput, rows: list[SamplingRow]) -> SamplerOutput | None:
-        """Run the forward pass; sample for the chunks that ask for it (``rows`` in chunk order).
+    def execute(
+        self,
+        output: SchedulerOutput,
+        rows: list[SamplingRow],
+        feeds: dict[int, int] | None = None,
+        previous: SampledTokens | None = None,
+    ) -> SampledTokens | None:
+        """Queue the forward pass and the sampling for the chunks that ask for it (``rows``
+        in chunk order); nothing here waits for the device.
 
-        Decode-only steps replay a CUDA graph (padded to its bucket) when graphs are on; the
-        only host synchronisation of a step is the sampler reading the sampled tokens."""
+        ``feeds`` (async scheduling) maps a chunk's index to the index of its input token in
+        ``previous``, the last step's samples, still on the device. Decode-only steps replay
+        a CUDA graph (padded to its bucket) when graphs are on."""
+        prev_ids = previous.device_ids if previous is not None else None
         if self.lora_manager is not None and self.lora_manager.begin_step(output.chunks):
             try:  # rows use adapters: run eagerly (the graphs hold the base path only)
-                return self._execute(output, rows, allow_graphs=False)
+                return self._execute(output, rows, feeds, prev_ids, allow_graphs=False)
             finally:
                 self.lora_manager.end_step()
-        return self._execute(output, rows)
+        return self._execute(output, rows, feeds, prev_ids)
 
-    def _execute(self, output: SchedulerOutput, rows: list[SamplingRow], allow_graphs: bool = True) -> SamplerOutput | None:
-        chunks = self._chunk_inputs(output)
+    def _execute(
+        self,
+        output: SchedulerOutput,
+        rows: list[SamplingRow],
+        feeds: dict[int, int] | None,
+        previous: torch.Tensor | None,
+        allow_graphs: bool = True,
+    ) -> SampledTokens | None:
+        chunks = self._chunk_inputs(output, feeds)
         bucket = self._graph_bucket(chunks) if allow_graphs else None
         mixed = self._mixed_bucket(chunks) if allow_graphs and bucket is None else None
         if mixed is not None:
             assert self.mixed_graphs is not None
-            layout, staged = self._stage(chunks, self.mixed_graphs.seqs_for(mixed), mixed)
+            layout, staged = self._stage(chunks, self.mixed_graphs.seqs_for(mixed), mixed, previous)
             bt_offset = layout.offsets()["block_tables"][0]
             hidden = self.mixed_graphs.replay(mixed, staged, layout.width, bt_offset)
             if not layout.sample_rows:
                 return None
             a, b = layout.offsets()["sample_rows"]
             logits = self.model.compute_logits(hidden.index_select(0, staged[a:b]))
-            return self.sampler(logits, rows)
-        layout, staged = self._stage(chunks, bucket)
+            return self.sampler.sample(logits, rows)
+        layout, staged = self._stage(chunks, bucket, None, previous)
         if bucket is not None:
             assert self.graphs is not None
             bt_offset = layout.offsets()["block_tables"][0]
@@ -266,7 +300,7 @@ class ModelRunner:
             if not layout.sample_rows:
                 return None
             logits = self.model.compute_logits(hidden.index_select(0, sample_rows))
-        return self.sampler(logits, rows)
+        return self.sampler.sample(logits, rows)
 
     # ---- CUDA graphs -----------------------------------------------------------------
     def _graphs_wanted(self) -> bool:
@@ -356,6 +390,19 @@ class ModelRunner:
         kv = sum(t.numel() * t.element_size() for t in self.kv_caches)
         offloaded = sum(t.numel() * t.element_size() for t in getattr(self, "_offloaded_weights", []))
         return {"weights_bytes": weights, "kv_cache_bytes": kv, "offloaded_weights_bytes": offloaded}
+
+
+def _feed_input_ids(staged: torch.Tensor, layout: StepLayout, previous: torch.Tensor) -> None:
+    """input_ids[feed_rows] = previous[feed_src], on the device, before anything reads them."""
+    off = layout.offsets()
+    a, b = off["input_ids"]
+    n = len(layout.feed_rows)
+    if layout.feed_rows == list(range(n)) and layout.feed_src == list(range(n)):
+        staged[a : a + n].copy_(previous[:n])  # the steady decode batch: same requests, same order
+        return
+    ra, rb = off["feed_rows"]
+    sa, sb = off["feed_src"]
+    staged[a:b].index_copy_(0, staged[ra:rb], previous.index_select(0, staged[sa:sb]))
 
 
 def choose_attention_backend(device: torch.device) -> AttentionBackend:

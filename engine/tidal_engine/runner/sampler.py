@@ -26,7 +26,7 @@ from tidal_engine.outputs import Logprob, PositionLogprobs
 from tidal_engine.sampling_params import SamplingParams
 from tidal_engine.structured import GrammarMatcher, apply_bitmasks
 
-__all__ = ["SamplingRow", "SamplerOutput", "Sampler", "make_generator"]
+__all__ = ["SamplingRow", "SamplerOutput", "SampledTokens", "Sampler", "make_generator", "needs_host_history"]
 
 
 @dataclass
@@ -47,7 +47,8 @@ class SamplingRow:
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[PositionLogprobs | None]  # None where the request asked for no logprobs
-    sampled_logprob: list[float]  # raw logprob of each sampled token, for cumulative_logprob
+    # Raw logprob of each sampled token, for cumulative_logprob; None for rows without logprobs.
+    sampled_logprob: list[float | None]
 
 
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
@@ -57,25 +58,102 @@ def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
     return generator
 
 
+class _HostCopies:
+    """A few pinned host buffers, used in turn, for the sampled ids' device→host copies: a
+    step's ids may still be in flight while the next step samples (async scheduling)."""
+
+    RING = 4
+
+    def __init__(self) -> None:
+        self._buffers: list[torch.Tensor] = []
+        self._turn = 0
+
+    def start(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
+        n = ids.shape[0]
+        if not self._buffers or self._buffers[0].shape[0] < n:
+            torch.cuda.synchronize(ids.device)  # old buffers may still be copied into
+            size = max(n, 2 * (self._buffers[0].shape[0] if self._buffers else 256))
+            self._buffers = [torch.empty(size, dtype=torch.long, pin_memory=True) for _ in range(self.RING)]
+        self._turn = (self._turn + 1) % self.RING
+        host = self._buffers[self._turn][:n]
+        host.copy_(ids, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return host, event
+
+
+class SampledTokens:
+    """One step's sampled ids: on the device now (the next step may read them there), on the
+    host once ``result()`` has waited for their copy, and for nothing queued after it."""
+
+    def __init__(
+        self,
+        device_ids: torch.Tensor,
+        raw_logprobs: torch.Tensor | None,
+        rows: list[SamplingRow],
+        host_copies: _HostCopies | None,
+    ) -> None:
+        self.device_ids = device_ids
+        self._raw_logprobs = raw_logprobs
+        self._rows = rows
+        self._host: torch.Tensor | None = None
+        self._event: torch.cuda.Event | None = None
+        if device_ids.is_cuda and host_copies is not None:
+            self._host, self._event = host_copies.start(device_ids)
+        self._result: SamplerOutput | None = None
+
+    def __len__(self) -> int:
+        return self.device_ids.shape[0]
+
+    def result(self) -> SamplerOutput:
+        if self._result is None:
+            if self._event is not None and self._host is not None:
+                self._event.synchronize()
+                token_list = self._host.tolist()
+            else:
+                token_list = self.device_ids.tolist()
+            logprobs: list[PositionLogprobs | None] = [None] * len(token_list)
+            sampled: list[float | None] = [None] * len(token_list)
+            if self._raw_logprobs is not None:
+                sampled_lp = self._raw_logprobs.gather(1, self.device_ids.unsqueeze(1)).squeeze(1)
+                logprobs = _collect_logprobs(self._raw_logprobs, self.device_ids, sampled_lp, self._rows)
+                values = sampled_lp.tolist()
+                sampled = [values[i] if r.params.logprobs is not None else None for i, r in enumerate(self._rows)]
+            self._result = SamplerOutput(token_ids=token_list, logprobs=logprobs, sampled_logprob=sampled)
+            self._raw_logprobs = None  # free the [rows, vocab] tensor
+        return self._result
+
+
 class Sampler:
     def __init__(self, generator: torch.Generator | None = None) -> None:
         # None: torch's default generator for the logits' device (seeded by torch.manual_seed).
         self.generator = generator
+        self._host_copies = _HostCopies()
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """Sample and wait for the result on the host."""
+        return self.sample(logits, rows).result()
+
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampledTokens:
+        """Queue the sampling on the logits' device and start copying the ids to the host;
+        nothing here waits for the device (``SampledTokens.result()`` does)."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [len(rows), vocab], got {tuple(logits.shape)} for {len(rows)} rows")
-        num_rows, vocab = logits.shape
+        num_rows = logits.shape[0]
         device = logits.device
         if num_rows == 0:
-            return SamplerOutput(token_ids=[], logprobs=[], sampled_logprob=[])
+            return SampledTokens(torch.empty(0, dtype=torch.long, device=device), None, rows, None)
+        # Plain greedy rows need nothing but the argmax: no float copy, no log-softmax.
+        grammars = [(i, r.grammar) for i, r in enumerate(rows) if r.grammar is not None]
+        needs_processing = any(_needs_penalties(r.params) for r in rows) or any(_in_min_tokens(r) for r in rows) or grammars
+        wants_logprobs = any(r.params.logprobs is not None for r in rows)
+        if not needs_processing and not wants_logprobs and all(r.params.is_greedy for r in rows):
+            return SampledTokens(logits.argmax(dim=-1), None, rows, self._host_copies)
         raw = logits.float()
-        raw_logprobs = torch.log_softmax(raw, dim=-1)
 
         # Copy only when something will modify the logits: the caller's tensor stays untouched.
         processed = raw
-        grammars = [(i, r.grammar) for i, r in enumerate(rows) if r.grammar is not None]
-        if any(_needs_penalties(r.params) for r in rows) or any(_in_min_tokens(r) for r in rows) or grammars:
+        if needs_processing:
             processed = raw.clone()
             _apply_penalties(processed, rows)
             _apply_min_tokens(processed, rows)
@@ -93,14 +171,9 @@ class Sampler:
                 token_ids[g_idx] = processed[g_idx].argmax(dim=-1)
             r_idx = torch.tensor(stochastic, dtype=torch.long, device=device)
             token_ids[r_idx] = self._sample(processed[r_idx], [rows[i] for i in stochastic])
-
-        sampled_lp = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
-        logprobs = _collect_logprobs(raw_logprobs, token_ids, sampled_lp, rows)
-        return SamplerOutput(
-            token_ids=token_ids.tolist(),
-            logprobs=logprobs,
-            sampled_logprob=sampled_lp.tolist(),
-        )
+        # Logprobs (and cumulative_logprob) only for the rows that asked, as vLLM V1 does.
+        raw_logprobs = torch.log_softmax(raw, dim=-1) if wants_logprobs else None
+        return SampledTokens(token_ids, raw_logprobs, rows, self._host_copies)
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Random sampling for non-greedy rows; logits [M, V] may be modified in place (a private copy)."""
@@ -159,6 +232,12 @@ class Sampler:
                 noise[j].exponential_(generator=row.generator)
         # exponential_ may return exactly 0 on some backends; a zero would turn into inf and win.
         return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+
+
+def needs_host_history(row: SamplingRow) -> bool:
+    """The row's next draw reads its previous tokens on the host (penalties, a grammar) or
+    its result needs a host round trip (logprobs): no sampling a step ahead for it."""
+    return row.grammar is not None or row.params.logprobs is not None or _needs_penalties(row.params)
 
 
 def _needs_penalties(params: SamplingParams) -> bool:
