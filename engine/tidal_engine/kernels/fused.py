@@ -1,8 +1,8 @@
 """When the layers route to the fused Triton kernels.
 
-On a CUDA tensor, with Triton importable, the layers (RMSNorm with its residual add, the
-per-head q/k norm, rotary, SiLU-and-mul) call the Triton kernels of
-``tidal_engine.kernels.triton``; everywhere else they keep their torch code, which is the
+On a CUDA tensor, with Triton importable, the layers (RMSNorm with its residual add,
+SiLU-and-mul, and, with the Triton attention backend, the QKV prologue: q/k norm + rotary +
+K/V store in one kernel) call the Triton kernels of ``tidal_engine.kernels.triton``; everywhere else they keep their torch code, which is the
 reference the CPU parity tests hold to HF. ``TIDAL_FUSED_KERNELS=0`` turns the routing off
 (the benchmarks use it to measure what the kernels buy).
 """

@@ -94,3 +94,35 @@ def write_kv_ref(
     flat = kv_cache.view(2, num_blocks * block_size, *kv_cache.shape[3:])
     flat[0, slot_mapping[keep]] = key[keep].to(kv_cache.dtype)
     flat[1, slot_mapping[keep]] = value[keep].to(kv_cache.dtype)
+
+
+def qkv_prologue_ref(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    q_norm_weight: torch.Tensor | None,
+    k_norm_weight: torch.Tensor | None,
+    eps: float,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> torch.Tensor:
+    """The attention prologue of one layer: split ``qkv [T, (H + 2*Hkv) * D]`` into heads,
+    RMS-normalise q and k per head (when the weights are given), rotate them (neox, fp32, one
+    rounding), store k and v into ``kv_cache`` at ``slot_mapping`` (-1: skip) and return q
+    ``[T, H, D]``. The composition of ``rms_norm_ref``, ``rotary_embedding_ref`` and
+    ``write_kv_ref``, with the same rounding points."""
+    num_tokens = qkv.shape[0]
+    q_width, kv_width = num_heads * head_dim, num_kv_heads * head_dim
+    q = qkv[:, :q_width].reshape(num_tokens, num_heads, head_dim)
+    k = qkv[:, q_width : q_width + kv_width].reshape(num_tokens, num_kv_heads, head_dim)
+    v = qkv[:, q_width + kv_width :].reshape(num_tokens, num_kv_heads, head_dim)
+    if q_norm_weight is not None and k_norm_weight is not None:
+        q = rms_norm_ref(q, q_norm_weight, eps)
+        k = rms_norm_ref(k, k_norm_weight, eps)
+    q, k_rot = rotary_embedding_ref(positions, q, k, cos_sin_cache, head_dim)
+    assert k_rot is not None
+    write_kv_ref(k_rot, v, kv_cache, slot_mapping)
+    return q.contiguous()

@@ -128,7 +128,11 @@ class TorchAttentionBackend:
 
 
 class Attention(nn.Module):
-    """The attention op of one layer: store this step's K/V, then attend over the cache."""
+    """The attention op of one layer: store this step's K/V, then attend over the cache.
+
+    ``forward`` does both; ``forward_prepared`` only attends, for callers that have already
+    stored K/V themselves (the fused QKV prologue of the Triton path).
+    """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         super().__init__()
@@ -152,6 +156,11 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         self.backend.write_kv(k, v, kv_cache, meta.slot_mapping)
         out = self.backend.forward(q, kv_cache, meta, self.scale)
+        return out.reshape(-1, self.num_heads * self.head_dim)
+
+    def forward_prepared(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Attention alone: ``kv_cache`` already holds this step's K/V. q: [T, H, D] or [T, H*D] → [T, H*D]."""
+        out = self.backend.forward(q.view(-1, self.num_heads, self.head_dim), kv_cache, meta, self.scale)
         return out.reshape(-1, self.num_heads * self.head_dim)
 
 

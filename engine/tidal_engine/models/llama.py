@@ -13,6 +13,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from tidal_engine.kernels.fused import use_fused
 from tidal_engine.layers.activation import SiluAndMul
 from tidal_engine.layers.attention import Attention, AttentionMetadata
 from tidal_engine.layers.linear import Linear, MergedLinear, QKVLinear, VocabEmbedding, copy_checked
@@ -39,7 +40,10 @@ class DecoderAttention(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        qkv = self.qkv_proj(hidden)
+        if self._use_fused_prologue(qkv):
+            return self.o_proj(self._attend_fused(positions, qkv, kv_cache, meta))
+        q, k, v = self.qkv_proj.split(qkv)
         if self.q_norm is not None and self.k_norm is not None:
             num_tokens = hidden.shape[0]
             q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim)).reshape(num_tokens, -1)
@@ -47,6 +51,44 @@ class DecoderAttention(nn.Module):
         q, k = self.rotary_emb(positions, q.contiguous(), k.contiguous())
         out = self.attn(q, k, v.contiguous(), kv_cache, meta)
         return self.o_proj(out)
+
+    def _use_fused_prologue(self, qkv: torch.Tensor) -> bool:
+        """The GPU path: q/k norm, rotary and the K/V store in one Triton kernel. Only with the
+        Triton attention backend (the torch backend stays the reference end to end) and a
+        kernel cos/sin table (built for CUDA models only)."""
+        return (
+            use_fused(qkv)
+            and getattr(self.attn.backend, "name", "") == "triton"
+            and self.rotary_emb.cos_sin_cache is not None
+        )
+
+    def _attend_fused(
+        self, positions: torch.Tensor, qkv: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        # One launch instead of q-norm, k-norm, rotary, v.contiguous() and write_kv; q, k and v
+        # are read straight from the QKV output. Same numbers as that sequence of kernels.
+        from tidal_engine.kernels.triton.qkv_prologue import qkv_prologue
+
+        q_weight: torch.Tensor | None = None
+        k_weight: torch.Tensor | None = None
+        eps = 0.0
+        if self.q_norm is not None and self.k_norm is not None:
+            # Both norms are built with the config's rms_norm_eps, so one eps serves both.
+            q_weight, k_weight, eps = self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
+        q = qkv_prologue(
+            qkv,
+            positions,
+            self.rotary_emb.cos_sin_cache,
+            q_weight,
+            k_weight,
+            eps,
+            kv_cache,
+            meta.slot_mapping,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+        )
+        return self.attn.forward_prepared(q, kv_cache, meta)
 
 
 class DecoderMLP(nn.Module):

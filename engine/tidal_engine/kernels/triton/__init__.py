@@ -2,7 +2,7 @@
 
 Nothing is imported here on purpose: ``import tidal_engine`` must keep working where Triton
 is missing or no GPU exists. Import the submodules (``paged_attention``, ``kv_write``,
-``rms_norm``, ``rotary``, ``activation``) when you need them, or use
+``rms_norm``, ``rotary``, ``activation``, ``qkv_prologue``, ``lora_sgmv``) when you need them, or use
 ``tidal_engine.kernels.triton_backend.TritonAttentionBackend``.
 """
 
