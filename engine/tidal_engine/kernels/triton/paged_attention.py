@@ -20,10 +20,26 @@ programs cover every batch and the kernel finds its sequence by a binary search 
 per-step index array (and so it stays usable under CUDA-graph capture). Programs past
 their sequence's last query return at once.
 
+Split-KV ("flash-decoding"). A small batch gives few programs (one decode of 8 KV heads:
+8), each walking its whole context serially. With ``num_splits > 1`` the grid gains a third
+dimension: program ``(tile, kv_head, split)`` cuts the keys its tile needs, ``[0, kv_end)``,
+into ``num_splits`` contiguous BLOCK_N-aligned parts, chosen in the kernel from seq_lens, and
+handles only its part. It writes the normalised partial output and its log-sum-exp (log2
+units) to fp32 scratch ``partial_out [num_splits, T, H, D]`` / ``partial_lse [num_splits, T, H]``;
+a row that sees no key of its part (an empty part, or a causal row before it) writes
+``lse = -inf`` and no output. A second kernel then combines the parts of each (token, head):
+weights ``exp2(lse - max lse)``, so empty parts weigh exactly 0 and their output is never
+read. ``num_splits`` is chosen on the host from static facts only (batch size, KV heads,
+query lengths: see ``choose_num_splits``), never from device values, since one captured CUDA
+graph replays the same launch for every context length; any value computes any batch.
+With ``num_splits == 1`` the first kernel writes ``out`` directly: no scratch, no reduce.
+
 Softmax is the online (streaming) one in fp32, with exp2 and the scale folded into log2(e).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -33,20 +49,32 @@ from tidal_engine.kernels.triton._common import FLOAT_DTYPES, check_dtype, check
 
 _LOG2E = 1.4426950408889634
 
+# Most KV splits per launch. The combine kernel loads every split's lse at once in a block of
+# this (fixed) size, so the split count stays a runtime value and never forces a recompile.
+MAX_SPLITS = 32
+# Fewest keys worth a split of their own, when a max_seq_len hint is given.
+_MIN_KEYS_PER_SPLIT = 64
 
-# The batch size and the block-table width change every step: don't let Triton specialise
-# on them (== 1, divisible by 16), or new steps would trigger fresh JIT compiles mid-run.
-@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
+
+# The batch size, the block-table width, the token count and the split count change from
+# step to step: don't let Triton specialise on them (== 1, divisible by 16), or new steps
+# would trigger fresh JIT compiles mid-run.
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt", "num_tokens", "num_splits"])
 def _paged_attention_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
     out_ptr,
+    partial_out_ptr,  # [num_splits, T, H, D] fp32; only read when SPLIT
+    partial_lse_ptr,  # [num_splits, T, H] fp32, log2 units; only read when SPLIT
     block_tables_ptr,
     seq_lens_ptr,
     query_start_loc_ptr,
     scale_log2,  # softmax scale * log2(e): scores go straight into exp2
     num_seqs,
+    num_tokens,  # T, the rows of query / out / the scratch
+    num_heads,
+    num_splits,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -63,6 +91,7 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr,  # query tokens per tile = BLOCK_M // GROUP
     BLOCK_N: tl.constexpr,  # keys per inner iteration
     DOT_PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr,  # num_splits > 1: partial results to the scratch, else straight to out
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -95,6 +124,27 @@ def _paged_attention_kernel(
     d = tl.arange(0, HEAD_DIM_PAD)
     d_valid = d < HEAD_DIM
     row_tok = (q_begin + row_q).to(tl.int64)
+
+    # Keys up to the tile's last query position; the rest would be masked anyway.
+    kv_end = ctx_len + tl.minimum(q_tile_start + BLOCK_Q, q_len)
+    kv_start = 0
+    kv_stop = kv_end
+    if SPLIT:
+        # This program's part of [0, kv_end): whole BLOCK_N steps, so only the last key step
+        # of the tile is partial.
+        split = tl.program_id(2)
+        # (Plain ceil-divisions, not tl.cdiv: a nested jit call is slow in the interpreter.)
+        steps = (kv_end + BLOCK_N - 1) // BLOCK_N
+        keys_per_split = (steps + num_splits - 1) // num_splits * BLOCK_N
+        kv_start = split * keys_per_split
+        kv_stop = tl.minimum(kv_start + keys_per_split, kv_end)
+        # Row index into the scratch, in int64: num_splits * T * H * D can pass 2**31.
+        p_row = (split.to(tl.int64) * num_tokens + row_tok) * num_heads + row_head
+        if kv_start >= kv_stop:
+            # Empty part (short context): the neutral result, lse = -inf, and no output.
+            tl.store(partial_lse_ptr + p_row, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_valid)
+            return
+
     q_mask = row_valid[:, None] & d_valid[None, :]
     q = tl.load(q_ptr + row_tok[:, None] * stride_qt + row_head[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
 
@@ -104,14 +154,12 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
 
-    # Keys up to the tile's last query position; the rest would be masked anyway.
-    kv_end = ctx_len + tl.minimum(q_tile_start + BLOCK_Q, q_len)
     offs_n = tl.arange(0, BLOCK_N)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     kv_head_off = kv_head.to(tl.int64) * stride_ch
-    for start_n in range(0, kv_end, BLOCK_N):
+    for start_n in range(kv_start, kv_stop, BLOCK_N):
         k_pos = start_n + offs_n
-        k_valid = k_pos < kv_end
+        k_valid = k_pos < kv_stop
         # Per-key gather through the block table: any block size works with any BLOCK_N.
         block_id = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=k_valid, other=0).to(tl.int64)
         slot_off = block_id * stride_cb + (k_pos % BLOCK_SIZE).to(tl.int64) * stride_cs + kv_head_off
@@ -132,9 +180,61 @@ def _paged_attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    acc = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    o_off = row_tok[:, None] * stride_ot + row_head[:, None] * stride_oh + d[None, :]
-    tl.store(out_ptr + o_off, acc.to(out_ptr.dtype.element_ty), mask=q_mask)
+    seen = l_i > 0.0  # False only for rows that saw no key (possible only in a split)
+    acc = acc / tl.where(seen, l_i, 1.0)[:, None]
+    if SPLIT:
+        lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+        tl.store(partial_lse_ptr + p_row, lse, mask=row_valid)
+        # Rows without keys store no output: the combine gives them weight 0 and skips them.
+        tl.store(partial_out_ptr + p_row[:, None] * HEAD_DIM + d[None, :], acc, mask=q_mask & seen[:, None])
+    else:
+        o_off = row_tok[:, None] * stride_ot + row_head[:, None] * stride_oh + d[None, :]
+        tl.store(out_ptr + o_off, acc.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "num_splits"])
+def _combine_splits_kernel(
+    partial_out_ptr,  # [num_splits, T, H, D] fp32
+    partial_lse_ptr,  # [num_splits, T, H] fp32, log2 units; -inf: the split saw no key
+    out_ptr,
+    query_start_loc_ptr,
+    num_seqs,
+    num_tokens,
+    num_heads,
+    num_splits,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    HEADS: tl.constexpr,  # heads per program
+    SPLITS_PAD: tl.constexpr,  # >= num_splits; fixed (MAX_SPLITS) so it never recompiles
+):
+    tok = tl.program_id(0)
+    if tok >= tl.load(query_start_loc_ptr + num_seqs):
+        return  # padding row: left untouched, as in the unsplit kernel
+
+    s = tl.arange(0, SPLITS_PAD)
+    h = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
+    d = tl.arange(0, HEAD_DIM_PAD)
+    row = (s[:, None].to(tl.int64) * num_tokens + tok) * num_heads + h[None, :]  # [SPLITS_PAD, HEADS]
+    lse = tl.load(
+        partial_lse_ptr + row, mask=(s < num_splits)[:, None] & (h < num_heads)[None, :], other=float("-inf")
+    )
+    lse_max = tl.max(lse, axis=0)
+    # Every real row sees key 0 in split 0, so lse_max is finite; the guard only keeps an
+    # all-empty row at 0 instead of NaN (-inf - -inf).
+    lse_max = tl.where(lse_max > float("-inf"), lse_max, 0.0)
+    weight = tl.exp2(lse - lse_max[None, :])  # exactly 0 for empty splits
+    # Skip the outputs of weightless splits: empty splits never wrote theirs.
+    part = tl.load(
+        partial_out_ptr + row[:, :, None] * HEAD_DIM + d[None, None, :],
+        mask=(weight > 0.0)[:, :, None] & (d < HEAD_DIM)[None, None, :],
+        other=0.0,
+    )  # [SPLITS_PAD, HEADS, HEAD_DIM_PAD]
+    total = tl.sum(weight, axis=0)
+    acc = tl.sum(part * weight[:, :, None], axis=0) / tl.where(total > 0.0, total, 1.0)[:, None]
+    o_off = tok.to(tl.int64) * stride_ot + h[:, None] * stride_oh + d[None, :]
+    tl.store(out_ptr + o_off, acc.to(out_ptr.dtype.element_ty), mask=(h < num_heads)[:, None] & (d < HEAD_DIM)[None, :])
 
 
 def choose_tiles(max_query_len: int, group: int, head_dim: int) -> tuple[int, int]:
@@ -144,6 +244,95 @@ def choose_tiles(max_query_len: int, group: int, head_dim: int) -> tuple[int, in
     block_m = max(block_m, next_power_of_2(group))
     block_n = 64 if head_dim <= 128 else 32
     return block_m, block_n
+
+
+def choose_num_splits(
+    num_seqs: int,
+    num_kv_heads: int,
+    max_query_len: int,
+    num_sms: int = 132,
+    *,
+    num_tokens: int | None = None,
+    block_q: int = 16,
+    max_seq_len: int | None = None,
+) -> int:
+    """KV splits for one launch: about two programs per SM while the batch alone can't fill
+    the GPU, 1 once it can; at most ``MAX_SPLITS``.
+
+    Static facts only (a captured launch is replayed for other contexts and batches):
+    ``num_seqs`` sequence slots, ``num_tokens`` query rows (default ``num_seqs *
+    max_query_len``), ``block_q`` query tokens per tile. The work is estimated from below:
+    at least ``ceil(num_tokens / max_query_len)`` sequences hold the tokens (padded CUDA-graph
+    slots hold none) and at least ``ceil(num_tokens / block_q)`` tiles. Guessing the work low
+    costs a few µs (on an H200: idle programs, the scratch and the combine, e.g. 4 -> 7 µs for
+    one decode over 16 keys, 19 -> 26 µs for a 512-token prompt); guessing it high starves
+    long contexts (one decode over 4096 keys: 104 µs unsplit, 11 µs in 32 splits).
+    ``max_seq_len`` (longest context, a hint only valid outside CUDA graphs) keeps every
+    split at ``_MIN_KEYS_PER_SPLIT`` keys or more.
+    """
+    if min(num_seqs, num_kv_heads, num_sms, block_q) < 1:
+        raise ValueError(
+            f"num_seqs, num_kv_heads, num_sms and block_q must be >= 1, got {num_seqs}, {num_kv_heads}, "
+            f"{num_sms}, {block_q}"
+        )
+    max_query_len = max(1, max_query_len)
+    tokens = num_seqs * max_query_len if num_tokens is None else max(1, num_tokens)
+    min_seqs = min(num_seqs, -(-tokens // max_query_len))
+    min_tiles = max(min_seqs, -(-tokens // block_q))
+    splits = (2 * num_sms) // (min_tiles * num_kv_heads)
+    if max_seq_len is not None:
+        splits = min(splits, -(-max_seq_len // _MIN_KEYS_PER_SPLIT))
+    return max(1, min(MAX_SPLITS, splits))
+
+
+# Stand-in SM count off CUDA. The interpreter runs programs one at a time, so splits only
+# cost time there; 16 still splits the small test batches (into 2-8 parts).
+_CPU_NUM_SMS = 16
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    """SMs of a CUDA device (132 on an H100/H200); ``_CPU_NUM_SMS`` elsewhere."""
+    if device.type != "cuda":
+        return _CPU_NUM_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def combine_splits(
+    partial_out: torch.Tensor, partial_lse: torch.Tensor, query_start_loc: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
+    """Merge the split-KV partials into ``out [T, H, D]``: ``partial_out [S, T, H, D]`` (each
+    split's normalised output) and ``partial_lse [S, T, H]`` (its log2-sum-exp2 of the scaled
+    scores; -inf: no keys, and then its output is never read), both fp32 and contiguous.
+    Rows at or past ``query_start_loc[-1]`` are left untouched."""
+    num_splits, num_tokens, num_heads, head_dim = partial_out.shape
+    if num_splits > MAX_SPLITS:
+        raise ValueError(f"at most {MAX_SPLITS} splits, got {num_splits}")
+    if num_tokens == 0 or num_heads == 0:
+        return out
+    head_dim_pad = max(16, next_power_of_2(head_dim))
+    # One head per program and one warp on the GPU: many small programs suit a small batch
+    # (on an H200, 1 warp ran 2-3x faster than 4 at 512 tokens x 2 splits, and as fast at 1
+    # token x 32). The interpreter pays per program, not per element: there, all heads.
+    heads = 1 if out.device.type == "cuda" else next_power_of_2(num_heads)
+    _combine_splits_kernel[(num_tokens, triton.cdiv(num_heads, heads))](
+        partial_out,
+        partial_lse,
+        out,
+        query_start_loc,
+        query_start_loc.shape[0] - 1,
+        num_tokens,
+        num_heads,
+        num_splits,
+        out.stride(0),
+        out.stride(1),
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad,
+        HEADS=heads,
+        SPLITS_PAD=MAX_SPLITS,
+        num_warps=1,
+    )
+    return out
 
 
 def paged_attention(
@@ -157,15 +346,18 @@ def paged_attention(
     out: torch.Tensor | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of ``query [T, H, D]`` over ``kv_cache [2, blocks, block_size, Hkv, D]``.
 
     ``block_tables [S, max_blocks]`` (int32), ``seq_lens [S]`` (context length after this
     step) and ``query_start_loc [S+1]`` (cumulative query lengths) describe the batch; the
     cache must already hold this step's keys/values. ``max_query_len`` only picks tile
-    sizes. Returns ``out [T, H, D]`` (allocated if not given) in query's dtype; rows past
+    sizes and the split count. Returns ``out [T, H, D]`` (allocated if not given) in query's dtype; rows past
     ``query_start_loc[-1]`` (padding) are left untouched. ``block_m``/``block_n`` override
-    the tile sizes (powers of two, ``block_m >= H // Hkv``, both >= 16).
+    the tile sizes (powers of two, ``block_m >= H // Hkv``, both >= 16). ``num_splits``
+    (1..MAX_SPLITS) overrides the KV split count; None picks it from the launch's shape
+    (``choose_num_splits``), never from tensor values, so it is safe under graph capture.
     """
     if query.dim() != 3:
         raise ValueError(f"query must be [num_tokens, num_heads, head_dim], got shape {tuple(query.shape)}")
@@ -215,18 +407,39 @@ def paged_attention(
     if block_m < group or block_m & (block_m - 1) or block_n & (block_n - 1) or min(block_m, block_n) < 16:
         raise ValueError(f"bad tiles block_m={block_m}, block_n={block_n} for GQA group {group}")
     block_q = block_m // group
+    if num_splits is None:
+        num_splits = choose_num_splits(
+            num_seqs, num_kv_heads, max_query_len, _num_sms(query.device), num_tokens=num_tokens, block_q=block_q
+        )
+    elif not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
 
-    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    split = num_splits > 1
+    if split:
+        # torch.empty: every slot the combine reads is written first. Under graph capture this
+        # comes from the graph's pool.
+        partial_out = torch.empty(
+            (num_splits, num_tokens, num_heads, head_dim), dtype=torch.float32, device=query.device
+        )
+        partial_lse = torch.empty((num_splits, num_tokens, num_heads), dtype=torch.float32, device=query.device)
+    else:
+        partial_out = partial_lse = out  # unused by the unsplit kernel
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
     _paged_attention_kernel[grid](
         query,
         kv_cache[0],
         kv_cache[1],
         out,
+        partial_out,
+        partial_lse,
         block_tables,
         seq_lens,
         query_start_loc,
         scale * _LOG2E,
         num_seqs,
+        num_tokens,
+        num_heads,
+        num_splits,
         query.stride(0),
         query.stride(1),
         out.stride(0),
@@ -244,9 +457,12 @@ def paged_attention(
         BLOCK_N=block_n,
         # fp32 inputs: true fp32 products (tf32 would cost ~1e-3 accuracy); 16-bit: native.
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        SPLIT=split,
         num_warps=4 if block_m * max(16, next_power_of_2(head_dim)) <= 64 * 128 else 8,
     )
+    if split:
+        combine_splits(partial_out, partial_lse, query_start_loc, out)
     return out
 
 
-__all__ = ["paged_attention", "choose_tiles"]
+__all__ = ["MAX_SPLITS", "choose_num_splits", "choose_tiles", "combine_splits", "paged_attention"]
