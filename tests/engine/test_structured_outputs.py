@@ -302,3 +302,13 @@ def test_bad_constraints_are_400(server: Any, extra: dict[str, Any], param: str,
             assert error["type"] == "invalid_request_error" and error["param"] == param
             assert message in error["message"]
         assert http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_engine_and_server_import_without_xgrammar() -> None:
+    # xgrammar loads on the first structured request only (GPU images may lack it).
+    import subprocess
+    import sys
+
+    code = "import sys; sys.modules['xgrammar'] = None; import tidal_engine.engine.llm_engine, tidal_engine.server.app"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-import xgrammar as xgr
 
-from tidal_engine.structured.params import StructuredOutputsParams
+from tidal_engine.structured.params import StructuredOutputsParams, xgrammar
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
+
 
 logger = logging.getLogger(__name__)
 
@@ -20,11 +23,11 @@ class GrammarCompilerCache:
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], max_entries: int = 256) -> None:
         # The model's vocabulary may be wider than the tokenizer's (padded embeddings): the bitmask
         # must cover every logit, so the info is built with the model's size.
-        self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
+        self.tokenizer_info = xgrammar().TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids)
         )
         self.vocab_size = vocab_size
-        self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=1, cache_enabled=False)
+        self._compiler = xgrammar().GrammarCompiler(self.tokenizer_info, max_threads=1, cache_enabled=False)
         self._cache: OrderedDict[tuple[str, str], xgr.CompiledGrammar] = OrderedDict()
         self._max_entries = max_entries
 
@@ -51,7 +54,7 @@ class GrammarMatcher:
     """One sample's position in its grammar."""
 
     def __init__(self, compiled: xgr.CompiledGrammar, vocab_size: int) -> None:
-        self._matcher = xgr.GrammarMatcher(compiled)
+        self._matcher = xgrammar().GrammarMatcher(compiled)
         self.vocab_size = vocab_size
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
@@ -70,12 +73,12 @@ class GrammarMatcher:
 def apply_bitmasks(logits: torch.Tensor, matchers: list[tuple[int, GrammarMatcher]]) -> None:
     """Set the logits of disallowed tokens to -inf, in place, for the given (row, matcher) pairs."""
     num_rows, vocab = logits.shape
-    bitmask = xgr.allocate_token_bitmask(num_rows, max(vocab, max(m.vocab_size for _, m in matchers)))
+    bitmask = xgrammar().allocate_token_bitmask(num_rows, max(vocab, max(m.vocab_size for _, m in matchers)))
     for row, matcher in matchers:
         matcher.fill_bitmask(bitmask, row)
     indices = [row for row, _ in matchers]
     if logits.device.type == "cpu":
-        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab, indices=indices)
+        xgrammar().apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab, indices=indices)
     else:
         apply_bitmask_torch(logits, bitmask, indices)
 

@@ -5,9 +5,20 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import xgrammar as xgr
+if TYPE_CHECKING:
+    import xgrammar as xgr
+
+
+def xgrammar() -> Any:
+    """The xgrammar module, imported on the first structured request: engines that never get
+    one (benchmarks, GPU images without it) start without it."""
+    import xgrammar as module
+
+    return module
+
+
 
 # vLLM (0.32+) rejects JSON schemas nested deeper than this; so do we. Objects and arrays of the
 # schema document both count as a level, so the check also guards the converter's recursion.
@@ -60,7 +71,7 @@ class StructuredOutputsParams:
             if self.json_object is not True:
                 raise ValueError(f"json_object must be true, got {self.json_object!r}")
             # OpenAI's JSON mode promises an object, not any JSON value.
-            return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+            return xgrammar().Grammar.from_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
         if kind == "json":
             schema = self.json
             if isinstance(schema, str):
@@ -74,11 +85,11 @@ class StructuredOutputsParams:
             if depth > MAX_SCHEMA_DEPTH:
                 raise ValueError(f"the JSON schema is nested {depth} levels deep; at most {MAX_SCHEMA_DEPTH} are allowed")
             # Compact output: a tiny model given free whitespace can loop on it forever.
-            return _convert("JSON schema", xgr.Grammar.from_json_schema, json.dumps(schema), any_whitespace=False)
+            return _convert("JSON schema", xgrammar().Grammar.from_json_schema, json.dumps(schema), any_whitespace=False)
         if kind == "regex":
             if not isinstance(self.regex, str) or not self.regex:
                 raise ValueError("regex must be a non-empty string")
-            return _convert("regex", xgr.Grammar.from_regex, self.regex)
+            return _convert("regex", xgrammar().Grammar.from_regex, self.regex)
         if kind == "choice":
             if not isinstance(self.choice, list) or not self.choice:
                 raise ValueError("choice must be a non-empty list of strings")
@@ -86,10 +97,10 @@ class StructuredOutputsParams:
                 raise ValueError("every choice must be a non-empty string")
             # JSON string literals are valid EBNF literals (same escapes).
             ebnf = "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in self.choice)
-            return _convert("choice", xgr.Grammar.from_ebnf, ebnf)
+            return _convert("choice", xgrammar().Grammar.from_ebnf, ebnf)
         if not isinstance(self.grammar, str) or not self.grammar.strip():
             raise ValueError("grammar must be a non-empty EBNF string")
-        return _convert("grammar", xgr.Grammar.from_ebnf, self.grammar)
+        return _convert("grammar", xgrammar().Grammar.from_ebnf, self.grammar)
 
 
 def _depth(value: Any) -> int:
