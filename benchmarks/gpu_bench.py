@@ -503,6 +503,8 @@ def suite_tidal(shape: str, folder: Path, results: dict[str, Any], save: Callabl
         "num_mixed_graphs": len(runner.mixed_graphs.graphs) if runner.mixed_graphs else 0,
         "llm_options_from_env": os.environ.get("TIDAL_BENCH_LLM_OPTS") or None,
         "kv_blocks": runner.num_blocks,
+        "one_row_linear_choice": {f"{n}x{k}": str(c) if c is not None else "cuBLAS"
+                                  for (n, k, _dtype, _bias), c in getattr(runner, "_gemv_choices", {}).items()},
     }
     save()
     counter = StepCounter(runner)
@@ -534,6 +536,9 @@ def suite_tidal(shape: str, folder: Path, results: dict[str, Any], save: Callabl
 
     run_guarded(results, "single_stream_eager", lambda: variant(enforce_eager=True), save)
     run_guarded(results, "single_stream_sync_scheduling", lambda: variant(async_scheduling=False), save)
+    os.environ["TIDAL_GEMV"] = "0"  # every one-row linear on cuBLAS
+    run_guarded(results, "single_stream_no_gemv", lambda: variant(), save)
+    os.environ["TIDAL_GEMV"] = "1"
     from tidal_engine.kernels import fused
 
     os.environ["TIDAL_FUSED_KERNELS"] = "0"

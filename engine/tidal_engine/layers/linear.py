@@ -8,6 +8,8 @@ dimension; ``load_shard`` copies one of them into its row range.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -22,7 +24,13 @@ def copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
 
 
 class Linear(nn.Module):
-    """``y = x W^T + b`` with W ``[out_features, in_features]``."""
+    """``y = x W^T + b`` with W ``[out_features, in_features]``.
+
+    ``gemv_config`` (set by ``kernels.gemv_choice`` on CUDA, where it measured faster) routes
+    one-row inputs, the single-stream decode step, to the Triton GEMV instead of cuBLAS.
+    """
+
+    gemv_config: Any = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
@@ -32,6 +40,10 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gemv_config is not None and x.dim() == 2 and x.shape[0] == 1:
+            from tidal_engine.kernels.triton.gemv import gemv
+
+            return gemv(x, self.weight, self.bias, self.gemv_config)
         return F.linear(x, self.weight, self.bias)
 
     def load(self, param_name: str, tensor: torch.Tensor) -> None:

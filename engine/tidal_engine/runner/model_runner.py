@@ -80,6 +80,8 @@ class ModelRunner:
         self.cuda_graph_sizes = normalize_capture_sizes(config.cuda_graph_sizes, config.max_num_seqs)
         self.graphs: DecodeGraphs | None = None
         self.mixed_graphs: MixedGraphs | None = None
+        self._gemv_choices: dict = {}  # (N, K, dtype, bias) → GEMV config or None (cuBLAS)
+        self._choose_one_row_linears()
         self._warm_up_kernels()
         self.capture_cuda_graphs()
 
@@ -149,6 +151,18 @@ class ModelRunner:
         for num_tokens in sorted({1, max(1, 32 // group), max(1, 64 // group), 256}):
             self._dummy_forward(num_tokens)
         torch.cuda.synchronize(self.device)
+
+    def _choose_one_row_linears(self) -> None:
+        """Time cuBLAS against the Triton GEMV for each weight shape at one input row (the
+        single-stream decode step) and route each Linear to the faster (kernels/gemv_choice.py)."""
+        if self.device.type != "cuda" or getattr(self.backend, "name", "") != "triton" or self.lora_manager is not None:
+            return
+        from tidal_engine.kernels.fused import fused_kernels_enabled
+        from tidal_engine.kernels.gemv_choice import choose_gemv, gemv_wanted
+
+        if fused_kernels_enabled() and gemv_wanted(self.dtype):
+            counts = choose_gemv(self.model, self._gemv_choices)
+            logger.info("one-row linears: %d on the Triton GEMV, %d on cuBLAS", counts["gemv"], counts["cublas"])
 
     def _allocate_kv_caches(self) -> list[torch.Tensor]:
         shape = (2, self.num_blocks, self.config.block_size, self.kv_spec.num_kv_heads, self.kv_spec.head_dim)
@@ -382,6 +396,7 @@ class ModelRunner:
         set_attention_backend(self.model, self.backend)
         if self.lora_manager is not None:
             self.lora_manager.reattach(self.model)
+        self._choose_one_row_linears()  # a new model: same shapes, choices come from the cache
         self._maybe_recapture()
 
     def memory_usage(self) -> dict[str, int]:

@@ -92,9 +92,11 @@ def _qkv_prologue_kernel(
     BLOCK_SIZE: tl.constexpr,
     HAS_NORM: tl.constexpr,
 ):
-    # One program per token (all its heads): the grid is the token count alone, so a CUDA
-    # graph captured for T tokens replays for any batch padded to T.
+    # Two programs per token, q's heads and k/v's heads (in parallel: a decode step has a
+    # single token); the grid depends on the token count alone, so a CUDA graph captured for
+    # T tokens replays for any batch padded to T.
     tok = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
     pos = tl.load(positions_ptr + tok).to(tl.int64)
     j = tl.arange(0, HALF_PAD)
     cs_row = cos_sin_ptr + pos * stride_cs
@@ -102,15 +104,17 @@ def _qkv_prologue_kernel(
     sin = tl.load(cs_row + HALF + j, mask=j < HALF, other=0.0).to(tl.float32)[None, :]
     row = qkv_ptr + tok * stride_qkv_t
 
-    # q: every token gets its row, padding included (the rest of the layer is row-wise).
-    q1, q2 = _norm_rope_heads(
-        row, q_norm_w_ptr, eps, cos, sin, NUM_HEADS, HEADS_PAD, HEAD_DIM, DIM_PAD, HALF, HALF_PAD, HAS_NORM
-    )
-    h = tl.arange(0, HEADS_PAD)
-    q_mask = (h < NUM_HEADS)[:, None] & (j < HALF)[None, :]
-    q_dst = q_out_ptr + tok * (NUM_HEADS * HEAD_DIM) + h[:, None] * HEAD_DIM + j[None, :]
-    tl.store(q_dst, q1, mask=q_mask)
-    tl.store(q_dst + HALF, q2, mask=q_mask)
+    if part == 0:
+        # q: every token gets its row, padding included (the rest of the layer is row-wise).
+        q1, q2 = _norm_rope_heads(
+            row, q_norm_w_ptr, eps, cos, sin, NUM_HEADS, HEADS_PAD, HEAD_DIM, DIM_PAD, HALF, HALF_PAD, HAS_NORM
+        )
+        h = tl.arange(0, HEADS_PAD)
+        q_mask = (h < NUM_HEADS)[:, None] & (j < HALF)[None, :]
+        q_dst = q_out_ptr + tok * (NUM_HEADS * HEAD_DIM) + h[:, None] * HEAD_DIM + j[None, :]
+        tl.store(q_dst, q1, mask=q_mask)
+        tl.store(q_dst + HALF, q2, mask=q_mask)
+        return
 
     # k and v only matter where they are stored; slot < 0 (padding) stores nothing.
     slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
@@ -211,7 +215,7 @@ def qkv_prologue(
     # No per-step scalar reaches the kernel (the token count is the grid alone; strides and
     # eps are fixed per model), so nothing needs do_not_specialize and a captured graph never
     # triggers a recompile.
-    _qkv_prologue_kernel[(num_tokens,)](
+    _qkv_prologue_kernel[(num_tokens, 2)](
         qkv,
         positions,
         cos_sin_cache,
