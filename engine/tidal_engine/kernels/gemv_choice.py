@@ -39,18 +39,36 @@ def pick_fastest(timings: dict[Candidate, float]) -> Candidate:
     return best
 
 
-def _time_on_device(fn: Callable[[], Any], reps: int = 20) -> float:
+def time_in_graph(fn: Callable[[torch.Tensor], Any], weights: list[torch.Tensor], calls: int = 32) -> float:
+    """Seconds per ``fn(weight)`` call as the decode step runs it: many calls captured in one
+    CUDA graph (so launch overhead, which differs between cuBLAS and Triton, doesn't count;
+    inside the engine's graphs there is none), cycling through ``weights`` so repeated calls
+    don't read the same bytes from L2."""
+    for w in weights[:2]:
+        fn(w)  # compile / pick the cuBLAS kernel outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(weights[i % len(weights)])
+    graph.replay()
+    samples = []
     for _ in range(3):
-        fn()
-    events = []
-    for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        graph.replay()
         end.record()
-        events.append((start, end))
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) for a, b in events) / 1e3
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / 1e3 / calls)
+    del graph
+    return statistics.median(samples)
+
+
+def rotation_copies(weight: torch.Tensor, l2_bytes: int = 64 << 20) -> list[torch.Tensor]:
+    """The weight plus enough copies that cycling through them overflows the L2 cache."""
+    nbytes = weight.numel() * weight.element_size()
+    count = max(1, min(16, -(-2 * l2_bytes // max(nbytes, 1))))
+    return [weight] + [weight.clone() for _ in range(count - 1)]
 
 
 def choose_gemv(model: nn.Module, cache: dict[tuple[int, int, torch.dtype, bool], Candidate]) -> dict[str, int]:
@@ -69,14 +87,18 @@ def choose_gemv(model: nn.Module, cache: dict[tuple[int, int, torch.dtype, bool]
             if key not in cache:
                 x = torch.randn(1, weight.shape[1], dtype=weight.dtype, device=weight.device)
                 reference = torch.nn.functional.linear(x, weight, bias).float()
-                timings: dict[Candidate, float] = {None: _time_on_device(lambda: torch.nn.functional.linear(x, weight, bias))}
+                copies = rotation_copies(weight)
+                timings: dict[Candidate, float] = {
+                    None: time_in_graph(lambda w: torch.nn.functional.linear(x, w, bias), copies)
+                }
                 for config in GEMV_CONFIGS:
                     got = gemv(x, weight, bias, config).float()
                     # Same sums in another order: a 16-bit rounding apart, never more.
                     if not torch.allclose(got, reference, rtol=2e-2, atol=2e-2 * reference.abs().max().item()):
                         logger.warning("GEMV %s disagrees with cuBLAS on %s; not used", config, key[:2])
                         continue
-                    timings[config] = _time_on_device(lambda c=config: gemv(x, weight, bias, c))
+                    timings[config] = time_in_graph(lambda w, c=config: gemv(x, w, bias, c), copies)
+                del copies
                 cache[key] = pick_fastest(timings)
                 logger.info("one-row linear %dx%d: %s (%s)", key[0], key[1], cache[key] or "cuBLAS",
                             ", ".join(f"{c or 'cuBLAS'}={t * 1e6:.1f}us" for c, t in timings.items()))
@@ -93,4 +115,4 @@ def clear_gemv(model: nn.Module) -> None:
             module.gemv_config = None
 
 
-__all__ = ["choose_gemv", "clear_gemv", "gemv_wanted", "pick_fastest"]
+__all__ = ["choose_gemv", "clear_gemv", "gemv_wanted", "pick_fastest", "rotation_copies", "time_in_graph"]

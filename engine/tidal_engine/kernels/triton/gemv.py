@@ -26,12 +26,15 @@ class GemvConfig:
 
 # The candidates timed at start-up (each one compiled variant per dtype).
 GEMV_CONFIGS: tuple[GemvConfig, ...] = (
+    GemvConfig(1, 1024, 4),
+    GemvConfig(2, 512, 4),
     GemvConfig(2, 1024, 4),
+    GemvConfig(4, 512, 4),
     GemvConfig(4, 1024, 4),
     GemvConfig(8, 512, 4),
     GemvConfig(8, 1024, 8),
+    GemvConfig(16, 256, 4),
     GemvConfig(16, 512, 8),
-    GemvConfig(32, 256, 4),
 )
 
 
