@@ -28,6 +28,8 @@ from tidal_engine.runner.input_buffers import (
     plan_step,
 )
 
+from tiny_tokenizer import SAMPLE_PROMPTS
+
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
 gpu = [
     pytest.mark.gpu,
@@ -239,16 +241,7 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-PROMPTS = [
-    "hello world",
-    "the tide comes in and the tide goes out",
-    "a",
-    "0123456789" * 4,
-    "tidal engines sleep when idle",
-    "xyz",
-    "paged attention reads keys through block tables",
-    "continuous batching",
-]
+PROMPTS = SAMPLE_PROMPTS
 
 
 def _generate(folder: Path, prompts: list[str], max_tokens: list[int], **options: object) -> tuple[list[list[int]], object]:

@@ -9,18 +9,9 @@ import pytest
 from tidal_engine import LLM, SamplingParams
 
 from tiny_models import make_tiny_model
-from tiny_tokenizer import EOS_ID, save_byte_tokenizer
+from tiny_tokenizer import EOS_ID, SAMPLE_PROMPTS, save_byte_tokenizer
 
-PROMPTS = [
-    "hello world",
-    "the tide comes in and the tide goes out",
-    "a",
-    "0123456789" * 4,
-    "tidal engines sleep when idle",
-    "xyz",
-    "paged attention reads keys through block tables",
-    "continuous batching",
-] * 2  # 16 requests
+PROMPTS = SAMPLE_PROMPTS * 2  # 16 requests
 
 
 @pytest.fixture(scope="module")

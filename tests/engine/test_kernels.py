@@ -43,15 +43,7 @@ DEVICE_DTYPES = [
     pytest.param("cuda", torch.bfloat16, marks=_gpu, id="cuda-bf16"),
     pytest.param("cuda", torch.float16, marks=_gpu, id="cuda-fp16"),
 ]
-TOL = {
-    torch.float32: dict(atol=1e-4, rtol=1e-4),
-    torch.float16: dict(atol=2e-2, rtol=2e-2),
-    torch.bfloat16: dict(atol=4e-2, rtol=4e-2),
-}
-
-
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
-    torch.testing.assert_close(actual.float(), expected.float(), **TOL[dtype])
+from kernel_tolerances import assert_close  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------

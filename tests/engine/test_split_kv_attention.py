@@ -41,15 +41,7 @@ def gpu_only(test: Callable[..., None]) -> Callable[..., None]:
 
 
 CPU_DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.float16, id="fp16")]
-TOL = {
-    torch.float32: dict(atol=1e-4, rtol=1e-4),
-    torch.float16: dict(atol=2e-2, rtol=2e-2),
-    torch.bfloat16: dict(atol=4e-2, rtol=4e-2),
-}
-
-
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
-    torch.testing.assert_close(actual.float(), expected.float(), **TOL[dtype])
+from kernel_tolerances import assert_close  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------

@@ -13,6 +13,18 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 EOS_ID = 256
+
+# Eight prompts of different lengths (1 to 47 bytes) that the engine tests batch together.
+SAMPLE_PROMPTS = [
+    "hello world",
+    "the tide comes in and the tide goes out",
+    "a",
+    "0123456789" * 4,
+    "tidal engines sleep when idle",
+    "xyz",
+    "paged attention reads keys through block tables",
+    "continuous batching",
+]
 CHAT_TEMPLATE = (
     "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<assistant>{% endif %}"
