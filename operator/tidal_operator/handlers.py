@@ -146,8 +146,10 @@ def spec_drifted(desired: Mapping[str, Any], actual: Mapping[str, Any]) -> bool:
     return any(want.get(k) != have.get(k) for k in ("image", "command", "args"))
 
 
-def status_patch(new: Mapping[str, Any], old: Mapping[str, Any]) -> Obj | None:
-    """The merge patch from `old` to `new` over the fields compute_status owns; None if equal."""
+def status_patch(new: Mapping[str, Any], old: Mapping[str, Any], *, autoscaler_owns_desired: bool = False) -> Obj | None:
+    """The merge patch from `old` to `new` over the fields compute_status owns; None if equal.
+    `status.desiredReplicas` has one writer: the builtin autoscaler when it runs for this
+    LLMService (`autoscaler_owns_desired`), else the reconcile (spec.replicas, HPA, KEDA)."""
     patch: Obj = {}
     for key in OWNED_STATUS_FIELDS:
         if key in new:
@@ -155,7 +157,7 @@ def status_patch(new: Mapping[str, Any], old: Mapping[str, Any]) -> Obj | None:
                 patch[key] = new[key]
         elif old.get(key) is not None:
             patch[key] = None
-    if "desiredReplicas" in new and old.get("desiredReplicas") != new["desiredReplicas"]:
+    if not autoscaler_owns_desired and "desiredReplicas" in new and old.get("desiredReplicas") != new["desiredReplicas"]:
         patch["desiredReplicas"] = new["desiredReplicas"]
     return patch or None
 
@@ -230,7 +232,8 @@ async def reconcile(kube: Kube, config: OperatorConfig, namespace: str, name: st
 
     # 5. Status: what is true now.
     status = compute_status(llm, pods, [], generation, now, config=config, desired=want)
-    patch = status_patch(status, old_status)
+    builtin = spec.autoscaling is not None and spec.autoscaling.mode == "builtin"
+    patch = status_patch(status, old_status, autoscaler_owns_desired=builtin and hooks.desired_replicas is not None)
     if patch:
         await kube.patch_llmservice_status(namespace, name, patch)
     degraded, was_degraded = _condition(status, "Degraded"), _condition(old_status, "Degraded")

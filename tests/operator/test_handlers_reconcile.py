@@ -208,6 +208,15 @@ def test_status_patch_sets_changes_and_clears_stale_fields() -> None:
     assert H.status_patch({"phase": "Ready"}, {"phase": "Ready"}) is None
 
 
+def test_status_patch_leaves_desired_replicas_to_the_autoscaler_when_it_owns_them() -> None:
+    # One writer of replica counts: with builtin autoscaling running, only its loop writes
+    # status.desiredReplicas; the reconcile writes it otherwise (spec.replicas, HPA, KEDA).
+    old = {"phase": "Ready", "desiredReplicas": 3}
+    new = {"phase": "Ready", "desiredReplicas": 1}
+    assert H.status_patch(new, old) == {"desiredReplicas": 1}
+    assert H.status_patch(new, old, autoscaler_owns_desired=True) is None
+
+
 def test_config_from_env() -> None:
     config = H.config_from_env({H.ENV_DEFAULT_IMAGE: "img:1", H.ENV_ADAPTER_PREFIXES: "hf://, s3://",
                                 H.ENV_NAMESPACE: "ml"})

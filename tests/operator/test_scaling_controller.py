@@ -368,7 +368,7 @@ async def test_router_demand_client_sums_routers_and_any_failure_is_unknown() ->
 
 async def test_a_decision_replans_pods_through_the_handlers_reconcile(cluster: Cluster) -> None:
     """With the handlers' real reconcile: 1 Pod under load → 3 Pods, and a later reconcile
-    keeps the autoscaler's count (HOOKS.desired_replicas)."""
+    keeps the autoscaler's count (HOOKS.desired_replicas) without writing it itself."""
     from tidal_operator.api.types import OperatorConfig
     from tidal_operator.handlers import Hooks, Reconciler
 
@@ -379,6 +379,8 @@ async def test_a_decision_replans_pods_through_the_handlers_reconcile(cluster: C
         runtime.on_change = lambda ns, name: reconciler.run(ns, name, ensure_service=False)
         try:
             await reconciler.run(NS, "m")
+            # One writer: with the autoscaler running, the reconcile leaves desiredReplicas to it.
+            assert "desiredReplicas" not in await cluster.status("m")
             [pod] = await cluster.kube.list_pods(NS, L.selector_string("m"))
             # The kubelet's part: the Pod runs, Ready, on the test engine's address.
             await cluster.kube.request(
