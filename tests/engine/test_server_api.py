@@ -24,9 +24,10 @@ from tidal_engine.server.metrics import metric_value  # noqa: E402
 CHAT = {"messages": [{"role": "user", "content": "Say something."}], "max_tokens": 12, "temperature": 0}
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[LiveServer]:
-    with live_server() as live:
+@pytest.fixture(scope="module", params=[False, True], ids=["sync-steps", "async-scheduling"])
+def server(request: pytest.FixtureRequest) -> Iterator[LiveServer]:
+    # The whole API in both step modes (async scheduling is the CUDA default).
+    with live_server(engine={"async_scheduling": request.param}) as live:
         yield live
 
 

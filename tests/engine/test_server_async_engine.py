@@ -27,9 +27,11 @@ from tidal_engine.sampling_params import SamplingParams  # noqa: E402
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
-@pytest.fixture()
-def engine() -> Any:
-    async_engine = make_engine()
+@pytest.fixture(params=[False, True], ids=["sync-steps", "async-scheduling"])
+def engine(request: pytest.FixtureRequest) -> Any:
+    # Both step modes: with async scheduling (the CUDA default) step() returns the outputs
+    # of the step launched by the previous call while the next one runs.
+    async_engine = make_engine(async_scheduling=request.param)
     async_engine.start()
     yield async_engine
     if async_engine.is_running:
