@@ -264,9 +264,9 @@ def choose_num_splits(
     max_query_len``), ``block_q`` query tokens per tile. The work is estimated from below:
     at least ``ceil(num_tokens / max_query_len)`` sequences hold the tokens (padded CUDA-graph
     slots hold none) and at least ``ceil(num_tokens / block_q)`` tiles. Guessing the work low
-    costs a few µs (on an H200: idle programs, the scratch and the combine, e.g. 4 -> 7 µs for
-    one decode over 16 keys, 19 -> 26 µs for a 512-token prompt); guessing it high starves
-    long contexts (one decode over 4096 keys: 104 µs unsplit, 11 µs in 32 splits).
+    costs a little (idle programs, the scratch and the combine on short contexts and fresh
+    prompts); guessing it high starves long contexts, where one program per KV head walks
+    every key alone.
     ``max_seq_len`` (longest context, a hint only valid outside CUDA graphs) keeps every
     split at ``_MIN_KEYS_PER_SPLIT`` keys or more.
     """
