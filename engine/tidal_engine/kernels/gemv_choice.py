@@ -107,12 +107,4 @@ def choose_gemv(model: nn.Module, cache: dict[tuple[int, int, torch.dtype, bool]
     return chosen
 
 
-def clear_gemv(model: nn.Module) -> None:
-    from tidal_engine.layers.linear import Linear
-
-    for module in model.modules():
-        if isinstance(module, Linear):
-            module.gemv_config = None
-
-
-__all__ = ["choose_gemv", "clear_gemv", "gemv_wanted", "pick_fastest", "rotation_copies", "time_in_graph"]
+__all__ = ["choose_gemv", "gemv_wanted", "pick_fastest", "rotation_copies", "time_in_graph"]

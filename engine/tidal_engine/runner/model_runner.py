@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from tidal_engine.config import EngineConfig
+from tidal_engine.core.request import PLACEHOLDER_TOKEN
 from tidal_engine.core.scheduler import SchedulerOutput
 from tidal_engine.layers.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend, set_attention_backend
 from tidal_engine.lora.manager import create_lora_manager
@@ -31,7 +32,6 @@ from tidal_engine.runner.input_buffers import (
     plan_step,
 )
 from tidal_engine.runner.mixed_graphs import MixedGraphs
-from tidal_engine.core.request import PLACEHOLDER_TOKEN
 from tidal_engine.runner.sampler import SampledTokens, Sampler, SamplingRow
 
 logger = logging.getLogger(__name__)

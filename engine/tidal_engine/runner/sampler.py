@@ -66,6 +66,7 @@ class _HostCopies:
 
     def __init__(self) -> None:
         self._buffers: list[torch.Tensor] = []
+        self._events: list[torch.cuda.Event] = []  # one per buffer: its copy is done
         self._turn = 0
 
     def start(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
@@ -74,10 +75,11 @@ class _HostCopies:
             torch.cuda.synchronize(ids.device)  # old buffers may still be copied into
             size = max(n, 2 * (self._buffers[0].shape[0] if self._buffers else 256))
             self._buffers = [torch.empty(size, dtype=torch.long, pin_memory=True) for _ in range(self.RING)]
+            self._events = [torch.cuda.Event() for _ in range(self.RING)]
         self._turn = (self._turn + 1) % self.RING
         host = self._buffers[self._turn][:n]
         host.copy_(ids, non_blocking=True)
-        event = torch.cuda.Event()
+        event = self._events[self._turn]
         event.record()
         return host, event
 
@@ -101,9 +103,6 @@ class SampledTokens:
         if device_ids.is_cuda and host_copies is not None:
             self._host, self._event = host_copies.start(device_ids)
         self._result: SamplerOutput | None = None
-
-    def __len__(self) -> int:
-        return self.device_ids.shape[0]
 
     def result(self) -> SamplerOutput:
         if self._result is None:
