@@ -135,6 +135,11 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     lora.add_argument("--allowed-lora-roots", nargs="+", default=None, metavar="DIR",
                       help="folders adapters may be loaded from; without it /v1/load_lora_adapter is refused")
 
+    parallel = parser.add_argument_group("parallelism")
+    parallel.add_argument("--distributed-executor-backend", default=None, choices=("uni", "mp"),
+                          help="workers in the engine-core process (uni, the default for one device) "
+                               "or one process per rank (mp)")
+
     unsupported = parser.add_argument_group(
         "vLLM features Tidal does not have", "accepted only with the value that turns them off"
     )
@@ -162,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="name(s) clients use in `model` (default: the model argument)")
     http.add_argument("--max-request-body-bytes", type=_bytes, default=DEFAULT_MAX_BODY_BYTES,
                       help="larger bodies get 413")
+    http.add_argument("--api-server-count", type=_positive_int, default=1,
+                      help="API server processes sharing the port (HTTP, tokenizing, detokenizing); "
+                           "the engine core runs in its own process")
     http.add_argument("--shutdown-timeout", type=_non_negative_float, default=30.0,
                       help="seconds SIGTERM waits for in-flight requests before aborting them")
     security = serve.add_argument_group("security")
@@ -253,24 +261,20 @@ def engine_config(parser: argparse.ArgumentParser, args: argparse.Namespace, mod
             max_cpu_loras=args.max_cpu_loras,
             lora_modules=dict(args.lora_modules) if args.lora_modules else None,
             allowed_lora_roots=list(args.allowed_lora_roots) if args.allowed_lora_roots else None,
+            distributed_executor_backend=args.distributed_executor_backend or "uni",
         )
     except ValueError as exc:
         parser.error(str(exc))
 
 
 def serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from tidal_engine.engine.async_engine import AsyncLLMEngine
-    from tidal_engine.lora.adapter import LoRAError
-    from tidal_engine.server.app import ServerSettings, run_server
+    from tidal_engine.server.app import ServerSettings
+    from tidal_engine.server.launcher import EngineStartError, serve as run_serve
 
     api_key = args.api_key or os.environ.get("TIDAL_API_KEY") or None
     names = args.served_model_name or [args.model]
     config = engine_config(parser, args, args.model, names[0])
     logging.getLogger(__name__).info("loading %s", args.model)
-    try:
-        engine = AsyncLLMEngine.from_config(config)
-    except LoRAError as exc:  # a bad --lora-modules entry: say which, like any bad flag
-        parser.error(f"--lora-modules: {exc}")
     settings = ServerSettings(
         host=args.host,
         port=args.port,
@@ -284,8 +288,14 @@ def serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         log_prompts=args.log_prompts,
         shutdown_timeout_s=args.shutdown_timeout,
     )
-    run_server(engine, settings)
-    return 0
+    try:
+        return run_serve(config, settings, args.api_server_count)
+    except EngineStartError as exc:  # e.g. a bad --lora-modules entry: say why, like any bad flag
+        message = str(exc)
+        if "LoRAError" in message:
+            parser.error(f"--lora-modules: {message.split(': ', 1)[-1]}")
+        logging.getLogger(__name__).error("the engine could not start: %s", message)
+        return 1
 
 
 def generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:

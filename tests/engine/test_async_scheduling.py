@@ -36,20 +36,33 @@ def make_llm(folder: Path, async_scheduling: bool, **options: Any) -> LLM:
 
 
 class ExecuteLog:
-    """Wraps the runner's execute: how many steps ran, and how many fed tokens on the device."""
+    """Wraps the executor: how many steps ran, and how many were launched before the
+    previous step's tokens were back on the host (their decodes are fed on the device)."""
 
     def __init__(self, llm: LLM) -> None:
         self.steps = 0
         self.fed_steps = 0
-        runner = llm.engine.runner
-        original = runner.execute
+        self.outstanding = 0
+        executor = llm.engine.executor
+        original = executor.execute
 
-        def execute(output: Any, rows: Any, feeds: Any = None, previous: Any = None) -> Any:
+        def execute(plan: Any) -> Any:
+            if not plan.scheduled:
+                return original(plan)  # a bookkeeping plan (finished ids only), no forward
             self.steps += 1
-            self.fed_steps += bool(feeds)
-            return original(output, rows, feeds, previous)
+            self.fed_steps += self.outstanding > 0
+            self.outstanding += 1
+            pending = original(plan)
+            result = pending.result
 
-        runner.execute = execute  # type: ignore[method-assign]
+            def counted_result() -> Any:
+                self.outstanding -= 1
+                return result()
+
+            pending.result = counted_result  # type: ignore[method-assign]
+            return pending
+
+        executor.execute = execute  # type: ignore[method-assign]
 
 
 def outputs_of(llm: LLM, prompts: list[str], params: list[SamplingParams] | SamplingParams) -> list[list[int]]:
@@ -89,7 +102,7 @@ def test_async_equals_sync(model_dir: Path, options: dict[str, Any]) -> None:
         assert llm.engine.get_stats().num_preemptions > 0
     engine = llm.engine
     assert not engine.has_unfinished_requests()
-    assert engine.kv_cache_manager.num_free_blocks == engine.runner.num_blocks
+    assert engine.kv_cache_manager.num_free_blocks == engine.executor.num_kv_blocks
 
 
 def test_length_limited_requests_waste_no_step(model_dir: Path) -> None:
@@ -112,9 +125,9 @@ def test_a_stop_costs_at_most_one_extra_step(model_dir: Path) -> None:
     assert tokens == reference[: first + 1]
     assert log.steps == first + 2  # one step computed for nothing after the stop
     # The step left in flight belongs to no live request; sleeping waits for it.
-    assert llm.engine._in_flight is not None
+    assert llm.engine.core._in_flight is not None
     llm.engine.sleep(1)
-    assert llm.engine._in_flight is None
+    assert llm.engine.core._in_flight is None
     llm.engine.wake_up()
     assert outputs_of(llm, ["hello"], params) == [tokens]
 
@@ -161,7 +174,7 @@ def test_abort_while_a_step_is_in_flight(model_dir: Path) -> None:
     finished: dict[str, list[int]] = {}
     for step in range(40):
         if step == 4:
-            assert engine._in_flight is not None  # "drop" has a step running right now
+            assert engine.core._in_flight is not None  # "drop" has a step running right now
             engine.abort_request("drop")
         for output in engine.step():
             if output.finished:
@@ -169,8 +182,8 @@ def test_abort_while_a_step_is_in_flight(model_dir: Path) -> None:
         if not engine.has_unfinished_requests():
             break
     assert finished == {"keep": expected}
-    engine._settle_in_flight()
-    assert engine.kv_cache_manager.num_free_blocks == engine.runner.num_blocks
+    engine.core.settle()
+    assert engine.kv_cache_manager.num_free_blocks == engine.executor.num_kv_blocks
 
 
 def test_prefix_cache_never_hashes_a_placeholder(model_dir: Path) -> None:
@@ -182,7 +195,7 @@ def test_prefix_cache_never_hashes_a_placeholder(model_dir: Path) -> None:
         llm = make_llm(model_dir, async_scheduling)
         engine = llm.engine
         engine.add_request("first", list(range(100, 124)), greedy)
-        request = engine._samples["first"].request
+        request = engine.core._samples["first"].request
         while engine.has_unfinished_requests():
             engine.step()
         tokens = list(request.all_token_ids)

@@ -1,4 +1,8 @@
-"""AsyncLLMEngine: one engine loop thread shared by every HTTP request.
+"""AsyncLLMEngine: the engine in the API server's process, on one loop thread.
+
+`tidal-engine serve` runs the engine core in its own process (async_llm.py); this
+in-process client serves the offline tools and the server's unit tests, which skip the
+second process.
 
 `LLMEngine` is synchronous and not thread-safe, so exactly one thread (the loop thread)
 ever touches it. Everything else talks to that thread through a small inbox guarded by a
@@ -76,6 +80,56 @@ class SyncEngine(Protocol):
     def wake_up(self, tags: list[str] | None = None) -> None: ...
 
     def is_sleeping(self) -> bool: ...
+
+
+class EngineClient(Protocol):
+    """What the server needs of an engine: the in-process ``AsyncLLMEngine`` below, or
+    ``AsyncLLM`` (async_llm.py), which talks to the engine-core process."""
+
+    tokenizer: Any
+    model_name: str
+    max_model_len: int
+
+    @property
+    def is_healthy(self) -> bool: ...
+
+    @property
+    def dead_error(self) -> BaseException | None: ...
+
+    @property
+    def snapshot(self) -> "EngineSnapshot": ...
+
+    @property
+    def num_in_flight(self) -> int: ...
+
+    def start(self) -> None: ...
+
+    async def shutdown(self, timeout_s: float = 30.0) -> None: ...
+
+    async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
+                          cache_salt: str | None = None, lora_name: str | None = None) -> Any: ...
+
+    def iterate(self, stream: Any) -> AsyncIterator[RequestOutput]: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def add_finished_listener(self, listener: Callable[["FinishedRequest"], None]) -> None: ...
+
+    async def is_sleeping(self) -> bool: ...
+
+    async def sleep(self, level: int = 1, mode: str = "wait") -> None: ...
+
+    async def wake_up(self, tags: list[str] | None = None) -> None: ...
+
+    async def reset_prefix_cache(self) -> bool: ...
+
+    def list_lora_adapters(self) -> list[Any]: ...
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> None: ...
+
+    async def unload_lora_adapter(self, lora_name: str) -> bool: ...
+
+    async def get_stats(self) -> Any: ...
 
 
 @dataclass

@@ -8,7 +8,7 @@ from typing import Literal
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
-from tidal_engine.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineShuttingDownError
+from tidal_engine.engine.async_engine import EngineClient, EngineDeadError, EngineShuttingDownError
 from tidal_engine.lora.adapter import LoRAError
 from tidal_engine.server.errors import ENGINE_UNAVAILABLE, NOT_FOUND, APIError, bad_request
 from tidal_engine.server.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
@@ -17,7 +17,7 @@ from tidal_engine.server.serving import parse_model, read_json_body
 WAKE_TAGS = ("weights", "kv_cache")
 
 
-def _engine(request: Request) -> AsyncLLMEngine:
+def _engine(request: Request) -> EngineClient:
     return request.app.state.engine
 
 

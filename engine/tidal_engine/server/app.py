@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 import threading
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
 from tidal_engine import __version__
-from tidal_engine.engine.async_engine import AsyncLLMEngine
+from tidal_engine.engine.async_engine import EngineClient
 from tidal_engine.server.admin import build_admin_router
 from tidal_engine.server.auth import APIKeyMiddleware
 from tidal_engine.server.errors import ENGINE_UNAVAILABLE, bad_request, error_response, install_error_handlers
@@ -42,7 +43,7 @@ class ServerSettings:
     shutdown_timeout_s: float = 30.0
 
 
-def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
+def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     """An app around `engine`. The lifespan starts the engine loop and drains it on shutdown."""
     names = settings.served_model_names or [engine.model_name]
     serving = OpenAIServing(
@@ -156,8 +157,10 @@ class _DrainingServer(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
-def run_server(engine: AsyncLLMEngine, settings: ServerSettings) -> None:
-    """Serve until SIGINT/SIGTERM; then stop accepting, drain up to the timeout, and exit."""
+def run_server(engine: EngineClient, settings: ServerSettings, *, reuse_port: bool = False) -> int:
+    """Serve until SIGINT/SIGTERM (then stop accepting, drain up to the timeout) or until the
+    engine core dies. Returns the exit status: 0 after a drain, 1 after an engine death.
+    ``reuse_port``: several API server processes share the port (SO_REUSEPORT)."""
     app = build_app(engine, settings)
     config = uvicorn.Config(
         app,
@@ -170,6 +173,30 @@ def run_server(engine: AsyncLLMEngine, settings: ServerSettings) -> None:
     )
     server = _DrainingServer(config)
     names = settings.served_model_names or [engine.model_name]
+
+    def stop_on_engine_death(error: BaseException) -> None:
+        server.should_exit = True  # /health fails until the process is gone; Kubernetes restarts it
+
+    if hasattr(engine, "on_dead"):
+        engine.on_dead = stop_on_engine_death
+    sockets = [_shared_socket(settings.host, settings.port)] if reuse_port else None
     logger.info("starting the server for %s on http://%s:%d", names[0], settings.host, settings.port)
     logger.info("try: %s", curl_hint(settings.host, settings.port, names[0], bool(settings.api_key)))
-    asyncio.run(server.serve())
+    asyncio.run(server.serve(sockets=sockets))
+    if engine.dead_error is not None:
+        logger.error("exiting because the engine core died: %s", engine.dead_error)
+        return 1
+    return 0
+
+
+def _shared_socket(host: str, port: int) -> socket.socket:
+    """A listening socket that other API server processes bind too; the kernel spreads
+    connections among them."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from tidal_engine.engine.async_engine import AsyncLLMEngine, FinishedRequest
+from tidal_engine.engine.async_engine import EngineClient, FinishedRequest
 
 PREFIX = "tidal:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -47,7 +47,7 @@ SLEEP_STATES = {0: "awake", 1: "weights_offloaded", 2: "discard_all"}
 class _EngineStatsCollector(Collector):
     """Gauges and counters straight from the engine's latest stats snapshot."""
 
-    def __init__(self, engine: AsyncLLMEngine, model_name: str) -> None:
+    def __init__(self, engine: EngineClient, model_name: str) -> None:
         self.engine = engine
         self.model_name = model_name
 
@@ -112,7 +112,7 @@ class _EngineStatsCollector(Collector):
 class ServerMetrics:
     """The server's registry; `observe_finished` is called in the engine loop thread."""
 
-    def __init__(self, engine: AsyncLLMEngine, model_name: str, max_model_len: int) -> None:
+    def __init__(self, engine: EngineClient, model_name: str, max_model_len: int) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
         self.registry.register(_EngineStatsCollector(engine, model_name))

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.types import Receive, Scope, Send
 
 from tidal_engine.engine.async_engine import (
-    AsyncLLMEngine,
+    EngineClient,
     EngineDeadError,
     EngineShuttingDownError,
     EngineSleepingError,
@@ -232,7 +232,7 @@ class ServingSettings:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLMEngine, settings: ServingSettings) -> None:
+    def __init__(self, engine: EngineClient, settings: ServingSettings) -> None:
         self.engine = engine
         self.settings = settings
         self.tokenizer = engine.tokenizer

@@ -61,6 +61,12 @@ class GrammarMatcher:
         """Write the allowed next tokens into ``bitmask[row]`` (int32 words, bit set = allowed)."""
         self._matcher.fill_next_token_bitmask(bitmask, row)
 
+    def bitmask_bytes(self) -> bytes:
+        """The allowed next tokens as one packed int32 row (xgrammar's layout), for a worker."""
+        bitmask = xgrammar().allocate_token_bitmask(1, self.vocab_size)
+        self._matcher.fill_next_token_bitmask(bitmask, 0)
+        return bitmask.numpy().tobytes()
+
     def accept_token(self, token_id: int) -> bool:
         """Advance by one sampled token; False if the grammar forbids it (the matcher is unchanged)."""
         return self._matcher.accept_token(token_id)

@@ -1,0 +1,604 @@
+"""The engine core: scheduler, KV cache manager and executor, one ``step()`` at a time.
+
+It takes tokenized requests and gives back *deltas*: for each sample that advanced, the
+token ids sampled since the last step, plus a finish reason when the sample ended on a
+stop token, EOS, its grammar, ``max_tokens`` or the context. Text (detokenizing, stop
+strings) is the caller's: the API server's output processor, or ``LLMEngine`` offline.
+A stop string found there comes back as ``finish_samples``.
+
+``step()`` = schedule → a ``StepPlan`` for the workers → execute → sampled ids → stops.
+Async scheduling (on by default on CUDA) keeps one step in flight: ``step()`` advances
+the in-flight step N with placeholder tokens, schedules and launches N+1 (the workers feed
+N's sampled ids to N+1 on the device), and only then waits for N's ids and does N's host
+work while the device runs N+1. A sample that stops at N has one step computed for
+nothing; one whose N token is its last (max_tokens, the context) is held out of N+1.
+Steps with a grammar row (the next bitmask needs the token) or a LoRA row are synchronous.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from tidal_engine.config import EngineConfig
+from tidal_engine.core.kv_cache_manager import KVCacheManager
+from tidal_engine.core.request import PLACEHOLDER_TOKEN, Request, RequestStatus
+from tidal_engine.core.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
+from tidal_engine.engine.messages import CoreStats, SampleDelta
+from tidal_engine.executor.base import Executor, PendingStep
+from tidal_engine.executor.plan import NewRequest, SampledLogprobs, SamplingOptions, ScheduledRequest, StepPlan
+from tidal_engine.lora import AdapterInfo, LoRAAdapter, LoRAError, LoRAManager
+from tidal_engine.models.loader import resolve_dtype, resolve_model
+from tidal_engine.sampling_params import SamplingParams
+from tidal_engine.structured import GrammarCompilerCache, GrammarMatcher
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+@dataclass
+class _Sample:
+    """Core-side state of one sample (a scheduler request) beyond what the scheduler keeps."""
+
+    request: Request
+    parent_id: str
+    index: int
+    options: SamplingOptions
+    grammar: GrammarMatcher | None = None
+    finished: bool = False
+
+
+@dataclass
+class _Parent:
+    """A user request: ``n`` samples that share one prompt."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    cache_salt: str | None
+    arrival_time: float
+    lora_name: str | None = None
+    compiled_grammar: object | None = None  # xgrammar CompiledGrammar shared by the samples
+    samples: list[_Sample | None] = field(default_factory=list)
+    pending_fanout: bool = False  # samples 1..n-1 wait until sample 0 has filled the prefix cache
+    first_scheduled_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return not self.pending_fanout and all(s is not None and s.finished for s in self.samples)
+
+
+@dataclass
+class _Step:
+    """A launched step: what was scheduled, and its pending sampled tokens."""
+
+    output: SchedulerOutput
+    sampling_chunks: list[ScheduledChunk]
+    pending: PendingStep
+    synchronous: bool  # a grammar or LoRA row: the next step waits for this one's tokens
+    advanced: bool = False  # the scheduler has moved on with placeholder tokens
+
+
+def sampling_options(params: SamplingParams, eos_token_ids: set[int]) -> SamplingOptions:
+    banned = set(params.stop_token_ids or [])
+    if not params.ignore_eos:
+        banned |= eos_token_ids  # with ignore_eos, EOS doesn't end the request: no need to hold it back
+    return SamplingOptions(
+        temperature=float(params.temperature),
+        top_k=int(params.top_k),
+        top_p=float(params.top_p),
+        min_p=float(params.min_p),
+        seed=params.seed,
+        presence_penalty=float(params.presence_penalty),
+        frequency_penalty=float(params.frequency_penalty),
+        repetition_penalty=float(params.repetition_penalty),
+        min_tokens=int(params.min_tokens),
+        min_tokens_banned=tuple(sorted(banned)),
+        logprobs=params.logprobs,
+        has_grammar=params.structured_outputs is not None,
+    )
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.source = resolve_model(config.model)
+        arch = self.source.arch_config
+        self.vocab_size = arch.vocab_size
+        self.dtype = resolve_dtype(arch.torch_dtype, config.dtype, self.device)
+        self.tokenizer = self.source.load_tokenizer()  # grammars need it; text is the caller's
+        self.model_name = config.served_model_name or config.model
+        self.max_model_len = config.max_model_len or arch.max_position_embeddings
+        if self.max_model_len > arch.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len ({self.max_model_len}) exceeds the model's context length "
+                f"({arch.max_position_embeddings})"
+            )
+        torch.manual_seed(config.seed)
+        if executor is None:
+            from tidal_engine.executor import create_executor
+
+            executor = create_executor(config, self.source, self.device, self.dtype)
+        self.executor = executor
+        self.eos_token_ids = eos_ids(arch.eos_token_id, self.tokenizer)
+        budget = config.max_num_batched_tokens or (
+            DEFAULT_MAX_NUM_BATCHED_TOKENS if config.enable_chunked_prefill else max(self.max_model_len, DEFAULT_MAX_NUM_BATCHED_TOKENS)
+        )
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks=self.executor.num_kv_blocks,
+            block_size=config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=budget,
+                max_model_len=self.max_model_len,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+                block_size=config.block_size,
+                max_loras=config.max_loras if config.enable_lora else None,
+            ),
+            self.kv_cache_manager,
+        )
+        self._parents: dict[str, _Parent] = {}
+        self._samples: dict[str, _Sample] = {}  # scheduler request id → sample
+        # What the workers know: request id → block ids sent so far; forgotten ids to send.
+        self._blocks_sent: dict[str, int] = {}
+        self._resumed: set[str] = set()
+        self._forget: list[str] = []
+        self._step_ids = 0
+        self._prompt_tokens_total = 0
+        self._generation_tokens_total = 0
+        self._max_running_seen = 0
+        self._sleep_level = 0
+        self._grammars: GrammarCompilerCache | None = None  # built on the first structured request
+        self._state_lock = threading.Lock()  # sleep/wake/reset from other threads (offline users)
+        self.async_scheduling = config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
+        self._in_flight: _Step | None = None
+        self.lora_manager: LoRAManager | None = getattr(self.executor, "lora_manager", None)
+        for lora_name, lora_path in (config.lora_modules or {}).items():
+            self.add_lora(self.read_lora(lora_name, lora_path, at_startup=True))
+        logger.info(
+            "engine core ready: model=%s device=%s dtype=%s kv_blocks=%d block_size=%d max_model_len=%d async_scheduling=%s",
+            self.model_name, self.device, self.dtype, self.executor.num_kv_blocks, config.block_size,
+            self.max_model_len, self.async_scheduling,
+        )
+
+    # ---- requests --------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+        lora_name: str | None = None,
+    ) -> None:
+        """Queue a tokenized request; raises ValueError (LoRAError included) for bad input."""
+        if self._sleep_level:
+            raise RuntimeError("the engine is sleeping; wake it up first")
+        if request_id in self._parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError("cache_salt must be a non-empty string")
+        self.check_prompt(prompt_token_ids)
+        max_tokens = params.max_tokens
+        room = self.max_model_len - len(prompt_token_ids)
+        if max_tokens is None or max_tokens > room:
+            max_tokens = room  # the context is the hard limit; finish_reason "length" at it
+        params = params.clone(max_tokens=max_tokens, min_tokens=min(params.min_tokens, max_tokens))
+        # Compile here, not per sample: errors become the caller's ValueError (a 400), and the
+        # n samples (some added later, at fan-out) share one compiled grammar.
+        compiled = self._compile_grammar(params) if params.structured_outputs is not None else None
+        if lora_name is not None:
+            self._acquire_lora(lora_name)  # last check: nothing below can fail and leak the reference
+        parent = _Parent(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            cache_salt=cache_salt,
+            arrival_time=arrival_time or time.time(),
+            samples=[None] * params.n,
+            lora_name=lora_name,
+            compiled_grammar=compiled,
+        )
+        self._parents[request_id] = parent
+        self._prompt_tokens_total += len(prompt_token_ids)
+        # With prefix caching, samples 1..n-1 start once sample 0's prompt blocks are cached,
+        # so they share them instead of computing the prompt n times.
+        share_prompt = params.n > 1 and self.config.enable_prefix_caching
+        parent.pending_fanout = share_prompt
+        for index in range(1 if share_prompt else params.n):
+            self._add_sample(parent, index)
+
+    def _add_sample(self, parent: _Parent, index: int) -> None:
+        params = parent.params
+        if parent.params.n > 1 and params.seed is not None:
+            params = params.clone(seed=params.seed + index)  # distinct but reproducible samples
+        sample_id = sample_request_id(parent.request_id, index, parent.params.n)
+        request = Request(
+            request_id=sample_id,
+            prompt_token_ids=parent.prompt_token_ids,
+            sampling_params=params,
+            arrival_time=parent.arrival_time,
+            cache_salt=parent.cache_salt,
+            lora_name=parent.lora_name,
+        )
+        sample = _Sample(request=request, parent_id=parent.request_id, index=index,
+                         options=sampling_options(params, self.eos_token_ids))
+        if parent.compiled_grammar is not None:
+            assert self._grammars is not None
+            sample.grammar = GrammarMatcher(parent.compiled_grammar, self._grammars.vocab_size)  # type: ignore[arg-type]
+        parent.samples[index] = sample
+        self._samples[sample_id] = sample
+        self.scheduler.add_request(request)
+
+    def _compile_grammar(self, params: SamplingParams) -> object:
+        assert params.structured_outputs is not None
+        if self._grammars is None:
+            # The logits (and so the bitmask) span the model's vocabulary, which may exceed the tokenizer's.
+            self._grammars = GrammarCompilerCache(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
+        return self._grammars.compile(params.structured_outputs)
+
+    def check_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.vocab_size
+        if min(token_ids) < 0 or max(token_ids) >= vocab:
+            bad = next(t for t in token_ids if not 0 <= t < vocab)
+            raise ValueError(f"token id {bad} is out of the vocabulary (size {vocab})")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but the prompt has "
+                f"{len(token_ids)} tokens (at least one must be left to generate)"
+            )
+
+    def abort_request(self, request_id: str) -> None:
+        """End a request and all its samples (unknown ids are ignored)."""
+        parent = self._parents.pop(request_id, None)
+        if parent is None:
+            return
+        if parent.lora_name is not None and self.lora_manager is not None:
+            self.lora_manager.release(parent.lora_name)
+        for sample in parent.samples:
+            if sample is not None and not sample.finished:
+                self._drop_sample(sample, RequestStatus.FINISHED_ABORTED)
+
+    def finish_samples(self, sample_ids: list[str]) -> None:
+        """End samples whose text hit a stop string (the caller found it); their parent ends
+        once every sample has."""
+        for sample_id in sample_ids:
+            sample = self._samples.get(sample_id)
+            if sample is None:
+                continue
+            self._drop_sample(sample, RequestStatus.FINISHED_STOPPED)
+            parent = self._parents.get(sample.parent_id)
+            if parent is not None and parent.finished:
+                self._end_parent(parent)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._parents)
+
+    # ---- the step --------------------------------------------------------------------
+    def step(self) -> list[SampleDelta]:
+        """One scheduled forward; returns a delta for each sample it advanced. With async
+        scheduling the deltas are those of the step launched by the previous call, and the
+        next step is already running when this returns."""
+        if self._sleep_level:
+            return []
+        if self._in_flight is None:
+            self._in_flight = self._launch(self.scheduler.schedule())
+            if self._in_flight is None:
+                return []
+        current, self._in_flight = self._in_flight, None
+        if self.async_scheduling and not current.synchronous:
+            hold = self._advance_with_placeholders(current)
+            self._in_flight = self._launch(self.scheduler.schedule(hold=hold))
+        return self._complete(current)
+
+    def _launch(self, output: SchedulerOutput) -> _Step | None:
+        """Send a scheduled step to the workers; nothing here waits for the device."""
+        if not output.chunks:
+            if self._forget:  # nothing to run, but let the workers drop finished requests
+                self._flush_forgotten()
+            return None
+        now = time.time()
+        self._max_running_seen = max(self._max_running_seen, len(output.chunks))
+        for request in output.preempted:
+            if request.request_id in self._blocks_sent:
+                self._resumed.add(request.request_id)
+        plan = self._plan(output, now)
+        sampling_chunks = [c for c in output.chunks if c.samples]
+        synchronous = bool(plan.grammar_bitmasks) or any(c.request.lora_name is not None for c in output.chunks)
+        return _Step(output, sampling_chunks, self.executor.execute(plan), synchronous)
+
+    def _plan(self, output: SchedulerOutput, now: float) -> StepPlan:
+        new_requests: list[NewRequest] = []
+        scheduled: list[ScheduledRequest] = []
+        bitmasks: dict[str, bytes] = {}
+        for chunk in output.chunks:
+            req = chunk.request
+            rid = req.request_id
+            sample = self._samples[rid]
+            parent = self._parents[sample.parent_id]
+            if parent.first_scheduled_time is None:
+                parent.first_scheduled_time = now
+            sent = self._blocks_sent.get(rid)
+            resumed = False
+            if sent is None:
+                new_requests.append(NewRequest(
+                    req_id=rid,
+                    prompt_token_ids=req.prompt_token_ids,
+                    sampling=sample.options,
+                    block_ids=list(chunk.block_ids),
+                    num_computed_tokens=req.num_computed_tokens,
+                    lora_name=req.lora_name,
+                ))
+                new_blocks: list[int] = []
+            elif rid in self._resumed:
+                self._resumed.discard(rid)
+                resumed = True
+                new_blocks = list(chunk.block_ids)
+            else:
+                new_blocks = chunk.block_ids[sent:]
+            self._blocks_sent[rid] = len(chunk.block_ids)
+            scheduled.append(ScheduledRequest(rid, req.num_computed_tokens, chunk.num_new_tokens, new_blocks,
+                                              chunk.samples, resumed))
+            if chunk.samples and sample.grammar is not None:
+                bitmasks[rid] = sample.grammar.bitmask_bytes()
+        forget, self._forget = self._forget, []
+        self._step_ids += 1
+        return StepPlan(step_id=self._step_ids, new_requests=new_requests, scheduled=scheduled,
+                        finished_req_ids=forget, grammar_bitmasks=bitmasks,
+                        num_scheduled_tokens=output.num_batched_tokens)
+
+    def _flush_forgotten(self) -> None:
+        forget, self._forget = self._forget, []
+        self._step_ids += 1
+        self.executor.execute(StepPlan(step_id=self._step_ids, new_requests=[], scheduled=[],
+                                       finished_req_ids=forget)).result()
+
+    def _advance_with_placeholders(self, step: _Step) -> set[str]:
+        """Move the scheduler past ``step`` as if its tokens were known (placeholders stand in
+        for them). Returns the requests whose placeholder is their last token: hold them."""
+        self.scheduler.update_from_output(step.output, {c.request.request_id: PLACEHOLDER_TOKEN for c in step.sampling_chunks})
+        step.advanced = True
+        hold: set[str] = set()
+        for chunk in step.sampling_chunks:
+            req = chunk.request
+            if req.has_placeholder and (
+                req.num_output_tokens >= (req.sampling_params.max_tokens or 0) or req.num_tokens >= self.max_model_len
+            ):
+                hold.add(req.request_id)
+        return hold
+
+    def _complete(self, step: _Step) -> list[SampleDelta]:
+        """Wait for the step's samples, then record them: stops, deltas."""
+        result = step.pending.result()
+        token_of = dict(zip(result.req_ids, result.token_ids))
+        if not step.advanced:
+            self.scheduler.update_from_output(step.output, token_of)
+        logprobs_of = dict(zip(result.req_ids, result.logprobs)) if result.logprobs else {}
+        deltas: list[SampleDelta] = []
+        for chunk in step.sampling_chunks:
+            rid = chunk.request.request_id
+            sample = self._samples.get(rid)
+            if sample is None or sample.request is not chunk.request or rid not in token_of:
+                continue  # finished or aborted since the step was launched
+            token_id = token_of[rid]
+            if step.advanced:
+                chunk.request.fill_placeholder(token_id)
+            parent = self._parents[sample.parent_id]
+            deltas.append(self._on_token(sample, parent, token_id, logprobs_of.get(rid)))
+            if parent.pending_fanout:
+                parent.pending_fanout = False
+                for index in range(1, parent.params.n):
+                    self._add_sample(parent, index)
+            if parent.finished:
+                self._end_parent(parent)
+        return deltas
+
+    def _on_token(self, sample: _Sample, parent: _Parent, token_id: int, logprobs: SampledLogprobs | None) -> SampleDelta:
+        """One sampled token (already appended by the scheduler): check the stops that need no text."""
+        self._generation_tokens_total += 1
+        req, params = sample.request, sample.request.sampling_params
+        past_min = req.num_output_tokens >= params.min_tokens
+        is_stop_token = past_min and token_id in params.stop_token_ids
+        is_eos = past_min and not params.ignore_eos and token_id in self.eos_token_ids
+        grammar_done = False
+        if sample.grammar is not None:
+            if not sample.grammar.accept_token(token_id):
+                # The bitmask allowed only grammar tokens, so this is a bug; end rather than emit garbage.
+                logger.warning("request %s: sampled token %d rejected by its grammar", req.request_id, token_id)
+                grammar_done = True
+            else:
+                # The grammar accepted EOS at its end: done, even under ignore_eos or min_tokens.
+                grammar_done = sample.grammar.is_terminated()
+        reason: str | None = None
+        stop_reason: int | str | None = None
+        if is_stop_token:
+            reason, stop_reason = "stop", token_id
+        elif grammar_done or is_eos:
+            reason = "stop"
+        elif req.num_output_tokens >= (params.max_tokens or 0) or req.num_tokens >= self.max_model_len:
+            reason = "length"
+        # The text of an ending EOS or stop token is not part of the answer (as in vLLM).
+        terminated = is_stop_token or is_eos or (grammar_done and token_id in self.eos_token_ids)
+        if reason is not None:
+            self._drop_sample(sample, RequestStatus.FINISHED_LENGTH if reason == "length" else RequestStatus.FINISHED_STOPPED)
+        first = sample.index == 0 and req.num_output_tokens == 1
+        return SampleDelta(
+            request_id=parent.request_id,
+            index=sample.index,
+            new_token_ids=[token_id],
+            new_logprobs=[logprobs] if logprobs is not None else None,
+            finish_reason=reason,
+            stop_reason=stop_reason,
+            stop_terminated=terminated,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            first_scheduled_time=parent.first_scheduled_time if first else None,
+        )
+
+    def _drop_sample(self, sample: _Sample, status: RequestStatus) -> None:
+        sample.finished = True
+        rid = sample.request.request_id
+        self.scheduler.finish_request(rid, status)
+        self._samples.pop(rid, None)
+        if self._blocks_sent.pop(rid, None) is not None:
+            self._forget.append(rid)
+        self._resumed.discard(rid)
+
+    def _end_parent(self, parent: _Parent) -> None:
+        if self._parents.pop(parent.request_id, None) is None:
+            return
+        if parent.lora_name is not None and self.lora_manager is not None:
+            self.lora_manager.release(parent.lora_name)
+
+    def settle(self) -> None:
+        """Wait for a step still in flight and drop its tokens (only steps whose requests are
+        all gone are left in flight between calls, so nothing is lost)."""
+        step, self._in_flight = self._in_flight, None
+        if step is not None:
+            self._complete(step)
+        if self._forget:
+            self._flush_forgotten()
+
+    # ---- state and admin -------------------------------------------------------------
+    def get_stats(self) -> CoreStats:
+        stats = self.kv_cache_manager.prefix_cache_stats
+        lora: dict[str, object] = {}
+        if self.lora_manager is not None:
+            lora = {
+                "max_loras": self.lora_manager.settings.max_loras,
+                "running_lora_adapters": tuple(sorted({r.lora_name for r in self.scheduler.running if r.lora_name})),
+                "waiting_lora_adapters": tuple(sorted({r.lora_name for r in self.scheduler.waiting if r.lora_name})),
+                "lora_adapters": [(a.name, a.path, a.rank, a.unloading) for a in self.lora_manager.list_adapters()],
+            }
+        return CoreStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_cache_usage=self.kv_cache_manager.usage,
+            prefix_cache_queries=stats.queries,
+            prefix_cache_hits=stats.hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens_total=self._prompt_tokens_total,
+            generation_tokens_total=self._generation_tokens_total,
+            max_num_running_seen=self._max_running_seen,
+            sleep_level=self._sleep_level,
+            **lora,  # type: ignore[arg-type]
+        )
+
+    def _lora(self) -> LoRAManager:
+        if self.lora_manager is None:
+            raise LoRAError("LoRA is not enabled on this server; start it with --enable-lora")
+        return self.lora_manager
+
+    def _acquire_lora(self, lora_name: str) -> None:
+        if self.lora_manager is None:
+            raise LoRAError(f"The model `{lora_name}` does not exist.", status=404)
+        self.lora_manager.acquire(lora_name)
+
+    def read_lora(self, lora_name: str, lora_path: str, *, at_startup: bool = False) -> LoRAAdapter:
+        """Read and validate an adapter (registers nothing). Runtime loads must come from
+        --allowed-lora-roots; start-up ones (--lora-modules) are the operator's own."""
+        manager = self._lora()
+        if lora_name == self.model_name:
+            raise LoRAError(f"The lora adapter '{lora_name}' has the base model's name.")
+        if not at_startup and not manager.settings.allowed_roots:
+            raise LoRAError("Loading LoRA adapters at run time is off: start the server with "
+                            "--allowed-lora-roots DIR [DIR ...] to allow adapters from those folders.")
+        return manager.read_adapter(lora_name, lora_path)
+
+    def add_lora(self, adapter: LoRAAdapter) -> None:
+        self._lora().add(adapter)
+
+    def load_lora(self, lora_name: str, lora_path: str) -> None:
+        self.add_lora(self.read_lora(lora_name, lora_path))
+
+    def remove_lora(self, lora_name: str) -> bool:
+        """Unload an adapter: True when gone now, False when its running requests finish first."""
+        return self._lora().remove(lora_name)
+
+    def list_loras(self) -> list[AdapterInfo]:
+        return [] if self.lora_manager is None else self.lora_manager.list_adapters()
+
+    def reset_prefix_cache(self) -> bool:
+        with self._state_lock:
+            return self.kv_cache_manager.reset_prefix_cache()
+
+    def is_sleeping(self) -> bool:
+        return self._sleep_level > 0
+
+    @property
+    def sleep_level(self) -> int:
+        return self._sleep_level
+
+    def sleep(self, level: int = 1) -> None:
+        """Give the device memory back. Level 1 keeps the weights in host memory, level 2 drops them.
+        Callers drain or abort requests first; sleeping twice is a no-op."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        with self._state_lock:
+            if self.has_unfinished_requests():
+                raise RuntimeError("cannot sleep with requests in flight; drain or abort them first")
+            if self._sleep_level:
+                return
+            self.settle()  # a last step computed for finished requests may still run
+            self.kv_cache_manager.reset_prefix_cache()  # its blocks are about to vanish
+            self.executor.collective_rpc("sleep", level)
+            self._sleep_level = level
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore weights and/or the KV cache (``tags``: "weights", "kv_cache"; default both)."""
+        tags = tags or ["weights", "kv_cache"]
+        unknown = set(tags) - {"weights", "kv_cache"}
+        if unknown:
+            raise ValueError(f"unknown wake_up tags {sorted(unknown)}; use 'weights' and/or 'kv_cache'")
+        with self._state_lock:
+            if not self._sleep_level:
+                return
+            still_asleep = self.executor.collective_rpc("wake_up", tags)[0]
+            if not still_asleep:
+                self._sleep_level = 0
+
+    def memory_usage(self) -> dict[str, int]:
+        return self.executor.collective_rpc("memory_usage")[0]
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+
+def sample_request_id(request_id: str, index: int, n: int) -> str:
+    """The scheduler's id of one sample: the request id itself when n == 1."""
+    return request_id if n == 1 else f"{request_id}#{index}"
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for, but no CUDA device is available")
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and resolved.index is None:
+        # "cuda" -> "cuda:N": tensors report an indexed device, and device checks compare equal.
+        resolved = torch.device("cuda", torch.cuda.current_device())
+    return resolved
+
+
+def eos_ids(config_eos: int | list[int] | None, tokenizer: object) -> set[int]:
+    ids: set[int] = set()
+    if isinstance(config_eos, int):
+        ids.add(config_eos)
+    elif isinstance(config_eos, list):
+        ids.update(config_eos)
+    tok_eos = getattr(tokenizer, "eos_token_id", None)
+    if isinstance(tok_eos, int):
+        ids.add(tok_eos)
+    return ids

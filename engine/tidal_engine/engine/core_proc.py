@@ -1,0 +1,291 @@
+"""The engine-core process: the core's busy loop, fed and read over ZeroMQ.
+
+One process runs ``EngineCore`` (scheduler, KV cache manager, executor) and nothing else,
+so no HTTP parsing, tokenizing or detokenizing ever takes its GIL. API servers PUSH
+msgpack messages (requests, aborts, utility calls) to its one PULL socket; it PUSHes
+each API server's deltas back on that server's own socket, with the stats every
+server's /metrics needs. Between steps it drains its inbox without blocking; with no
+work it blocks on the socket (and checks its parent now and then).
+
+Utility calls that need an idle engine (sleep) wait until no request is left, while new
+requests are refused as sleeping; ``sleep`` with mode "abort" first ends every request.
+The process ignores SIGTERM/SIGINT: its parent drains the API server and then sends
+``shutdown``; if the parent dies, the kernel kills this process (PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any, Callable
+
+import msgspec
+import zmq
+
+from tidal_engine.config import EngineConfig
+from tidal_engine.engine.core import EngineCore
+from tidal_engine.engine.messages import (
+    AbortRequests,
+    CoreInfo,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    SampleDelta,
+    UtilityCall,
+    UtilityResult,
+    encoder,
+    input_decoder,
+    params_from_dict,
+)
+from tidal_engine.engine.process_utils import die_with_parent, ignore_termination_signals, parent_alive, set_process_title
+
+logger = logging.getLogger(__name__)
+
+STATS_INTERVAL_S = 0.1  # how often idle API servers hear the core's stats
+IDLE_POLL_MS = 500  # how long an idle core blocks before it checks its parent
+
+
+@dataclass
+class CoreAddresses:
+    input: str  # the core binds PULL here; every API server connects PUSH
+    outputs: list[str]  # API server i binds PULL at outputs[i]; the core connects PUSH
+
+
+class EngineCoreProc:
+    def __init__(self, core: EngineCore, addresses: CoreAddresses, parent_pid: int | None = None) -> None:
+        self.core = core
+        self.parent_pid = parent_pid
+        self.ctx = zmq.Context()
+        self.inbox = self.ctx.socket(zmq.PULL)
+        self.inbox.bind(addresses.input)
+        self.outboxes = []
+        for address in addresses.outputs:
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 1000)
+            sock.connect(address)
+            self.outboxes.append(sock)
+        self.encode = encoder().encode
+        self.decode = input_decoder().decode
+        self.client_of: dict[str, int] = {}  # request id → the API server that sent it
+        self.idle_calls: list[UtilityCall] = []  # calls waiting for the engine to drain
+        self.sleeping_soon = False  # a sleep is draining: new requests are refused
+        self.stopping = False
+        self._pending: dict[int, EngineCoreOutputs] = {}
+        self._last_stats = 0.0
+
+    # ---- the loop ----------------------------------------------------------------------
+    def run(self) -> None:
+        try:
+            while not self.stopping:
+                busy = self.core.has_unfinished_requests()
+                if busy or self.inbox.poll(IDLE_POLL_MS):
+                    self._drain_inbox()
+                elif self.parent_pid is not None and not parent_alive(self.parent_pid):
+                    logger.error("the engine core's parent process is gone; exiting")
+                    return
+                self._run_idle_calls()
+                if self.core.has_unfinished_requests():
+                    self._route(self.core.step())
+                self._flush()
+        except Exception as exc:
+            logger.exception("engine core loop died")
+            self._broadcast_fatal(f"the engine core failed: {exc!r}")
+            raise
+        finally:
+            self.core.shutdown()
+            self.ctx.destroy(linger=1000)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                raw = self.inbox.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            message = self.decode(raw.buffer)
+            if isinstance(message, EngineCoreRequest):
+                self._add(message)
+            elif isinstance(message, AbortRequests):
+                self._abort(message)
+            else:
+                self._call(message)
+
+    def _outputs(self, client: int) -> EngineCoreOutputs:
+        out = self._pending.get(client)
+        if out is None:
+            out = self._pending[client] = EngineCoreOutputs(deltas=[], utility_results=[], accepted=[], rejected={}, aborted=[])
+        return out
+
+    def _flush(self, force_stats: bool = False) -> None:
+        now = time.monotonic()
+        stats = None
+        if force_stats or now - self._last_stats >= STATS_INTERVAL_S:
+            stats = self.core.get_stats()
+            self._last_stats = now
+            for client in range(len(self.outboxes)):
+                self._outputs(client)
+        pending, self._pending = self._pending, {}
+        for client, out in pending.items():
+            out.stats = stats
+            try:
+                # Never block the loop on an API server that is gone: drop what it can't take.
+                self.outboxes[client].send(self.encode(out), zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                logger.warning("API server %d is not reading its outputs; dropped one message", client)
+
+    def _broadcast_fatal(self, message: str) -> None:
+        for sock in self.outboxes:
+            try:
+                sock.send(self.encode(EngineCoreOutputs(fatal=message)), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+
+    # ---- requests ------------------------------------------------------------------------
+    def _add(self, msg: EngineCoreRequest) -> None:
+        out = self._outputs(msg.client_index)
+        if self.sleeping_soon or self.core.is_sleeping():
+            out.rejected[msg.request_id] = ("EngineSleepingError", "the engine is sleeping", 503)
+            return
+        try:
+            self.core.add_request(
+                msg.request_id, msg.prompt_token_ids, params_from_dict(msg.params),
+                cache_salt=msg.cache_salt, arrival_time=msg.arrival_time, lora_name=msg.lora_name,
+            )
+        except ValueError as exc:  # bad input, LoRAError included: the caller's 4xx
+            out.rejected[msg.request_id] = (type(exc).__name__, str(exc), int(getattr(exc, "status", 400)))
+            return
+        self.client_of[msg.request_id] = msg.client_index
+        out.accepted.append(msg.request_id)
+
+    def _abort(self, msg: AbortRequests) -> None:
+        if msg.finish_reason == "stop":  # samples whose stop string matched in the API server
+            self.core.finish_samples(msg.request_ids)
+            for request_id in msg.request_ids:
+                if request_id in self.client_of and not self._known(request_id):
+                    del self.client_of[request_id]
+            return
+        for request_id in msg.request_ids:
+            self.core.abort_request(request_id)
+            self.client_of.pop(request_id, None)
+
+    def _known(self, request_id: str) -> bool:
+        return request_id in self.core._parents  # noqa: SLF001 - the proc is the core's own loop
+
+    def _route(self, deltas: list[SampleDelta]) -> None:
+        for delta in deltas:
+            client = self.client_of.get(delta.request_id)
+            if client is None:
+                continue
+            self._outputs(client).deltas.append(delta)
+            if delta.finish_reason is not None and not self._known(delta.request_id):
+                del self.client_of[delta.request_id]
+
+    def _abort_all(self) -> None:
+        for request_id, client in list(self.client_of.items()):
+            self.core.abort_request(request_id)
+            self._outputs(client).aborted.append(request_id)
+        self.client_of.clear()
+
+    # ---- utility calls ---------------------------------------------------------------
+    def _call(self, call: UtilityCall) -> None:
+        if call.method == "sleep":
+            level, mode = call.args
+            if self.core.is_sleeping():
+                self._reply(call, None)
+                return
+            self.sleeping_soon = True
+            if mode == "abort":
+                self._abort_all()
+            self.idle_calls.append(call)
+            return
+        if call.method == "drain":  # answered once no request is left
+            self.idle_calls.append(call)
+            return
+        if call.method == "abort_all":
+            self._abort_all()
+            self._reply(call, None)
+            return
+        if call.method == "shutdown":
+            self.stopping = True
+            self._reply(call, None)
+            return
+        handler = self._handlers().get(call.method)
+        if handler is None:
+            self._reply_error(call, ValueError(f"unknown engine call {call.method!r}"))
+            return
+        self._run(call, lambda: handler(*call.args))
+
+    def _handlers(self) -> dict[str, Callable[..., Any]]:
+        core = self.core
+        return {
+            "wake_up": lambda tags: core.wake_up(tags),
+            "reset_prefix_cache": core.reset_prefix_cache,
+            "load_lora": core.load_lora,
+            "remove_lora": core.remove_lora,
+            "list_loras": lambda: [msgspec.structs.asdict(a) if isinstance(a, msgspec.Struct) else vars(a).copy() for a in core.list_loras()],
+            "get_stats": lambda: None,  # the stats ride along with every reply
+            "memory_usage": core.memory_usage,
+        }
+
+    def _run_idle_calls(self) -> None:
+        if not self.idle_calls or self.core.has_unfinished_requests():
+            return
+        calls, self.idle_calls = self.idle_calls, []
+        for call in calls:
+            if call.method == "sleep":
+                try:
+                    self._run(call, lambda: self.core.sleep(call.args[0]))
+                finally:
+                    self.sleeping_soon = False
+            else:
+                self._reply(call, None)
+
+    def _run(self, call: UtilityCall, fn: Callable[[], Any]) -> None:
+        try:
+            value = fn()
+        except Exception as exc:  # the call failed, not the loop: report it to the caller
+            self._reply_error(call, exc)
+            return
+        self._reply(call, value)
+
+    def _reply(self, call: UtilityCall, value: Any) -> None:
+        self._outputs(call.client_index).utility_results.append(UtilityResult(call.call_id, True, value))
+        self._flush(force_stats=True)
+
+    def _reply_error(self, call: UtilityCall, exc: BaseException) -> None:
+        result = UtilityResult(call.call_id, False, None, type(exc).__name__, str(exc), getattr(exc, "status", None))
+        self._outputs(call.client_index).utility_results.append(result)
+        self._flush(force_stats=True)
+
+
+def core_info(core: EngineCore) -> CoreInfo:
+    return CoreInfo(
+        model_name=core.model_name,
+        max_model_len=core.max_model_len,
+        vocab_size=core.vocab_size,
+        eos_token_ids=sorted(core.eos_token_ids),
+        enable_lora=core.lora_manager is not None,
+        async_scheduling=core.async_scheduling,
+        device=str(core.device),
+    )
+
+
+def run_engine_core(config: EngineConfig, addresses: CoreAddresses, ready: Connection, log_level: int = logging.INFO) -> None:
+    """The engine-core process's entry point: build the core, say ready (or why not), loop."""
+    parent = os.getppid()
+    die_with_parent()
+    ignore_termination_signals()
+    set_process_title("tidal-engine: engine-core")
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [engine-core] %(message)s")
+    try:
+        core = EngineCore(config)
+        proc = EngineCoreProc(core, addresses, parent_pid=parent)
+    except BaseException as exc:  # noqa: BLE001 - the parent shows it and exits
+        ready.send(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+        ready.close()
+        raise SystemExit(1) from None
+    ready.send(("ready", msgspec.msgpack.encode(core_info(core)), ""))
+    ready.close()
+    proc.run()

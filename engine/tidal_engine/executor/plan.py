@@ -1,0 +1,83 @@
+"""The per-step plan: what the engine core tells the workers, serializable (msgspec).
+
+Workers never see live scheduler objects. A request reaches them once, as ``NewRequest``
+(its prompt, sampling options and blocks); after that each step carries only diffs:
+which requests run, how many tokens each computes from where, the blocks appended since
+the last step, and which requests are gone. Workers keep each request's token history
+themselves (prompt plus the tokens they sampled), so the core never sends tokens back.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class SamplingOptions(msgspec.Struct, frozen=True):
+    """What a worker's sampler needs of one request's ``SamplingParams``."""
+
+    temperature: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None  # None: the engine's shared generator
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    # Tokens masked while fewer than min_tokens were sampled (EOS unless ignore_eos, plus stop_token_ids).
+    min_tokens_banned: tuple[int, ...] = ()
+    logprobs: int | None = None  # top alternatives besides the sampled token; None: no logprobs
+    has_grammar: bool = False  # the core sends this request's bitmask in every step that samples it
+
+
+class NewRequest(msgspec.Struct, frozen=True):
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingOptions
+    block_ids: list[int]
+    num_computed_tokens: int  # prefix-cache hits: the first chunk starts here
+    lora_name: str | None = None
+    # Tokens sampled before the worker first saw the request (none today; kept for resumes).
+    output_token_ids: list[int] = []
+
+
+class ScheduledRequest(msgspec.Struct, frozen=True, array_like=True):
+    """One request's share of a step. Tokens ``history[num_computed_tokens : +num_new_tokens]``
+    are computed; the worker samples after it when ``samples`` (the chunk reaches the end
+    of the request's known tokens)."""
+
+    req_id: str
+    num_computed_tokens: int
+    num_new_tokens: int
+    new_block_ids: list[int]  # appended to the request's block table
+    samples: bool
+    # True after a preemption: ``new_block_ids`` replace the table, computation restarts.
+    resumed: bool = False
+
+
+class StepPlan(msgspec.Struct, frozen=True):
+    step_id: int
+    new_requests: list[NewRequest]  # first appearance; each is also in ``scheduled``
+    scheduled: list[ScheduledRequest]  # batch order
+    finished_req_ids: list[str]  # forget these (finished, aborted); sent once
+    # Structured outputs: req_id → packed int32 bitmask words (xgrammar layout) for this step.
+    grammar_bitmasks: dict[str, bytes] = {}
+    num_scheduled_tokens: int = 0
+
+
+class SampledLogprobs(msgspec.Struct, frozen=True, array_like=True):
+    """One position's logprobs: the sampled token's, its rank (1 = most likely), then the top-k."""
+
+    sampled_logprob: float
+    rank: int
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+class StepResult(msgspec.Struct, frozen=True):
+    """A step's sampled tokens (one per sampling request, in ``scheduled`` order)."""
+
+    step_id: int
+    req_ids: list[str]
+    token_ids: list[int]
+    logprobs: list[SampledLogprobs | None] = []  # parallel to token_ids when any row asked; else empty
