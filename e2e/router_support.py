@@ -134,14 +134,17 @@ def engine_process_group(state_dir: Path, namespace: str, pod: str, container: s
     [pid, start time in clock ticks]`, where pid is the container process, started in a new
     session, so it is also its process group id. Cross-checked against /proc: the same start
     time (so a recycled pid is never hit) and a `tidal-engine serve` command line (what the
-    operator put in the Pod spec).
+    operator put in the Pod spec) or the title the server gives itself.
     """
     table = json.loads((state_dir / "engines.json").read_text())
     pid, started = table[f"{namespace}/{pod}/{container}"]
     stat = Path(f"/proc/{pid}/stat").read_text()
     assert int(stat.rsplit(") ", 1)[1].split()[19]) == started, f"pid {pid} is not {pod}'s engine any more"
-    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    assert any(part.endswith(b"tidal-engine") for part in cmdline) and b"serve" in cmdline, cmdline
+    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    # `tidal-engine serve ...`, retitled by the server to "tidal-engine: api-server[-manager]".
+    assert cmdline.startswith(b"tidal-engine: api-server") or (
+        any(part.endswith(b"tidal-engine") for part in cmdline.split(b"\0")) and b"serve" in cmdline.split(b"\0")
+    ), cmdline
     assert os.getpgid(pid) == pid
     return int(pid)
 

@@ -125,6 +125,8 @@ def test_delete_removes_pods_service_and_processes(real_stack: Any) -> None:
     real_stack.wait_for(lambda: not real_stack.pods(NAME), 120, "the engine Pods gone")
     real_stack.wait_for(lambda: "NotFound" in real_stack.kubectl("get", "service", NAME, check=False), 30, "the Service gone")
 
+    groups = set(pids.values())  # each engine Pod runs in its own session: API server, engine core, workers
+
     def processes_ended() -> bool:
         alive = []
         for pid in pids.values():
@@ -133,8 +135,24 @@ def test_delete_removes_pods_service_and_processes(real_stack: Any) -> None:
                 alive.append(pid)
             except ProcessLookupError:
                 pass
-        return not alive
-    real_stack.wait_for(processes_ended, 90, f"engine processes {sorted(pids.values())} ended")
+        return not alive and not live_processes_in_groups(groups)
+    real_stack.wait_for(processes_ended, 90, f"engine processes {sorted(pids.values())} and their children ended")
+
+
+def live_processes_in_groups(groups: set[int]) -> list[int]:
+    """Non-zombie processes whose process group is one of ``groups`` (an orphaned engine core
+    or worker would keep its Pod's group)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(") ", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z" and int(fields[2]) in groups:
+            found.append(int(entry.name))
+    return found
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -42,7 +42,8 @@ class EngineConfig:
     max_cpu_loras: int | None = None
     lora_modules: dict[str, str] | None = None
     allowed_lora_roots: list[str] | None = None
-    # Where the workers run: "uni" (in the engine-core process) or "mp" (a process per rank).
+    # Where the workers run: "uni" (in the engine-core process), "mp" (a process per rank), or
+    # "package.module:Class" for an Executor subclass (as vLLM allows).
     distributed_executor_backend: str = "uni"
 
     def __post_init__(self) -> None:
@@ -66,7 +67,8 @@ class EngineConfig:
             raise ValueError("max_loras and max_lora_rank must be >= 1")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
-        if self.distributed_executor_backend not in ("uni", "mp"):
-            raise ValueError(f"distributed_executor_backend must be 'uni' or 'mp', got {self.distributed_executor_backend!r}")
+        if self.distributed_executor_backend not in ("uni", "mp") and ":" not in self.distributed_executor_backend:
+            raise ValueError("distributed_executor_backend must be 'uni', 'mp' or 'package.module:ExecutorClass', "
+                             f"got {self.distributed_executor_backend!r}")
         if self.lora_modules and not self.enable_lora:
             raise ValueError("lora_modules needs enable_lora")

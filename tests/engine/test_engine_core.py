@@ -1,9 +1,7 @@
 """The engine core's side of the per-step plan, against a model-free worker.
 
-``ScriptedExecutor`` plays a worker by the plan's contract alone: it keeps each request's
-token history and block table from the diffs, checks every step against them (positions,
-blocks that cover them, no token it doesn't know), and "samples" a token that is a pure
-function of the history. So the core's plans must carry exactly what a worker needs:
+``ScriptedExecutor`` (scripted_executor.py) plays a worker by the plan's contract alone, so
+the core's plans must carry exactly what a worker needs:
 new requests once, appended blocks, whole tables after a preemption, finished ids. The
 outputs must equal that function's sequence, with async scheduling or without, under
 preemption, n > 1, stops and aborts.
@@ -19,87 +17,13 @@ import pytest
 from tidal_engine.config import EngineConfig
 from tidal_engine.engine.core import EngineCore
 from tidal_engine.engine.output_processor import OutputProcessor
-from tidal_engine.executor.base import Executor, PendingStep
-from tidal_engine.executor.plan import StepPlan, StepResult
 from tidal_engine.sampling_params import SamplingParams
 
+from scripted_executor import BLOCK, ScriptedExecutor, expected_tokens
 from tiny_models import make_tiny_model
 from tiny_tokenizer import EOS_ID, save_byte_tokenizer
 
 VOCAB = 1000
-BLOCK = 16
-
-
-def next_token(history: list[int]) -> int:
-    """The scripted model: the next token depends on the last few and the length."""
-    return (sum(history[-3:]) * 31 + 7 * len(history)) % 900 + 50  # never EOS, never < 50
-
-
-def expected_tokens(prompt: list[int], n: int) -> list[int]:
-    history = list(prompt)
-    for _ in range(n):
-        history.append(next_token(history))
-    return history[len(prompt):]
-
-
-class _Done(PendingStep):
-    def __init__(self, result: StepResult) -> None:
-        self._result = result
-
-    def result(self) -> StepResult:
-        return self._result
-
-
-class ScriptedExecutor(Executor):
-    def __init__(self, num_blocks: int) -> None:
-        self.num_kv_blocks = num_blocks
-        self.history: dict[str, list[int]] = {}
-        self.blocks: dict[str, list[int]] = {}
-        self.plans: list[StepPlan] = []
-
-    def execute(self, plan: StepPlan) -> PendingStep:
-        self.plans.append(plan)
-        for rid in plan.finished_req_ids:
-            assert rid in self.history, f"forgetting {rid}, which was never sent"
-            del self.history[rid], self.blocks[rid]
-        new_ids = {r.req_id for r in plan.new_requests}
-        assert {s.req_id for s in plan.scheduled} >= new_ids
-        for new in plan.new_requests:
-            assert new.req_id not in self.history, f"{new.req_id} sent twice"
-            self.history[new.req_id] = list(new.prompt_token_ids) + list(new.output_token_ids)
-            self.blocks[new.req_id] = list(new.block_ids)
-        req_ids: list[str] = []
-        tokens: list[int] = []
-        for s in plan.scheduled:
-            history = self.history[s.req_id]
-            if s.resumed:
-                self.blocks[s.req_id] = list(s.new_block_ids)
-            else:
-                self.blocks[s.req_id] += s.new_block_ids
-            end = s.num_computed_tokens + s.num_new_tokens
-            assert end <= len(history), f"{s.req_id}: computing up to {end}, knows {len(history)} tokens"
-            assert len(self.blocks[s.req_id]) * BLOCK >= end, f"{s.req_id}: blocks don't cover position {end - 1}"
-            assert len(set(self.blocks[s.req_id])) == len(self.blocks[s.req_id])
-            assert s.samples == (end == len(history)), f"{s.req_id}: samples={s.samples} at {end}/{len(history)}"
-            if s.samples:
-                token = next_token(history)
-                history.append(token)
-                req_ids.append(s.req_id)
-                tokens.append(token)
-        return _Done(StepResult(step_id=plan.step_id, req_ids=req_ids, token_ids=tokens))
-
-    def collective_rpc(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        if method == "wake_up":
-            return [False]
-        if method == "memory_usage":
-            return [{}]
-        return [None]
-
-    def shutdown(self) -> None:
-        pass
-
-    def check_health(self) -> None:
-        pass
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +37,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def make_core(model_dir: Path, async_scheduling: bool, num_blocks: int = 256, **options: Any) -> EngineCore:
     config = EngineConfig(model=str(model_dir), device="cpu", dtype="float32", max_model_len=128,
                           async_scheduling=async_scheduling, block_size=BLOCK, **options)
-    return EngineCore(config, executor=ScriptedExecutor(num_blocks))
+    return EngineCore(config, executor=ScriptedExecutor(num_blocks=num_blocks))
 
 
 def run(core: EngineCore, prompts: dict[str, list[int]], params: SamplingParams) -> dict[str, list[list[int]]]:

@@ -17,10 +17,12 @@ Steps with a grammar row (the next bitmask needs the token) or a LoRA row are sy
 
 from __future__ import annotations
 
+import importlib
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -121,11 +123,7 @@ class EngineCore:
                 f"({arch.max_position_embeddings})"
             )
         torch.manual_seed(config.seed)
-        if executor is None:
-            from tidal_engine.executor import create_executor
-
-            executor = create_executor(config, self.source, self.device, self.dtype)
-        self.executor = executor
+        self.executor = executor or build_executor(config, self.source, self.device, self.dtype)
         self.eos_token_ids = eos_ids(arch.eos_token_id, self.tokenizer)
         budget = config.max_num_batched_tokens or (
             DEFAULT_MAX_NUM_BATCHED_TOKENS if config.enable_chunked_prefill else max(self.max_model_len, DEFAULT_MAX_NUM_BATCHED_TOKENS)
@@ -573,6 +571,19 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+def build_executor(config: EngineConfig, source: Any, device: torch.device, dtype: torch.dtype) -> Executor:
+    """The configured executor: "uni", "mp", or (as vLLM allows) "package.module:Class", an
+    Executor subclass built with the same arguments."""
+    backend = config.distributed_executor_backend
+    if ":" in backend:
+        module_name, class_name = backend.split(":", 1)
+        executor_class = getattr(importlib.import_module(module_name), class_name)
+        return executor_class(config, source, device, dtype)
+    from tidal_engine.executor import create_executor
+
+    return create_executor(config, source, device, dtype)
 
 
 def sample_request_id(request_id: str, index: int, n: int) -> str:
