@@ -11,7 +11,8 @@ batch-size bucket B, reading static input buffers:
 - ``block_tables`` (int64, ``[max_bucket, max_blocks_per_seq]``): fixed width, so the
   kernels' row stride is a constant of the graph.
 
-A replay refreshes those buffers with two device copies and returns the float32 logits of
+A replay refreshes those buffers with two device copies (the block table comes gathered
+from the runner's persistent device table, ``[B, width]`` with ``width`` <= the fixed width) and returns the float32 logits of
 all B rows (a static output: read it before the next replay). The sampler stays outside.
 The graphs bake in the addresses of the weights and the KV cache: anything that moves
 them (sleep mode) must drop the graphs and capture again.
@@ -117,12 +118,13 @@ class DecodeGraphs:
         logger.info("captured %d decode CUDA graphs (batch %d..%d) in %.2f s",
                     len(self.graphs), self.sizes[0], self.sizes[-1], self.capture_seconds)
 
-    def replay(self, b: int, staged: torch.Tensor, width: int, bt_offset: int) -> torch.Tensor:
+    def replay(self, b: int, staged: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
         """Run bucket ``b`` on a padded step staged on the device (layout of fill_step with
-        T = S = b); returns the [b, vocab] float32 logits."""
+        T = S = b) and its ``[b, width]`` block table (gathered from the persistent batch);
+        returns the [b, vocab] float32 logits."""
         end = self._scalars_end(b)
         self.scalars[:end].copy_(staged[:end])
-        self.block_tables[:b, :width].copy_(staged[bt_offset : bt_offset + b * width].view(b, width))
+        self.block_tables[:b, : block_tables.shape[1]].copy_(block_tables)
         entry = self.graphs[b]
         entry.graph.replay()
         self.num_replays += 1

@@ -1,21 +1,30 @@
 """Laying out one step's inputs: pure functions over numpy, plus the pinned staging buffers.
 
-Everything the forward pass needs besides the weights and the KV cache is a handful of
-small integer arrays. They are packed into ONE int64 array, in this order (each array 32-byte aligned)::
+The step is described by a few arrays over its sequences (``StepInput``: each sequence's row
+in the persistent batch, first position, token count, whether it samples, whether its last
+token is fed on the device); the tokens and block tables themselves live in the persistent
+batch (runner/persistent_batch.py) and are read from its host arrays with numpy fancy
+indexing, no per-request Python loop. Everything the forward pass needs besides the weights,
+the KV cache and the persistent device block table is packed into ONE int64 array, in this
+order (each array 32-byte aligned)::
 
     input_ids[T] | positions[T] | slot_mapping[T] | seq_lens[S] | query_start_loc[S+1]
-    | sample_rows[N] | block_tables[S * W] | feed_rows[F] | feed_src[F]
+    | sample_rows[N] | batch_rows[S] | sampled_rows[N] | feed_rows[F] | feed_src[F]
+    | bt_index[K] | bt_value[K]
 
 so a step costs one pinned host→device copy (non-blocking), and the device views of the
-packed buffer are the model's inputs. For a CUDA-graph step the batch is padded to a
-bucket B (T = S = B): the entries up to the end of query_start_loc then have the same
-layout as the graph's static buffer (``packed_offsets(B, B, 0, 0)``), so one device copy
-refreshes them, and a second one puts the block
-table into the graph's fixed-width table.
+packed buffer are the model's inputs. ``bt_index``/``bt_value`` are the block-table entries
+that changed since the last step (flat indices into the persistent device table, which the
+runner scatters them into); ``batch_rows`` picks the step's rows out of that table (row 0 is
+all zeros: padding sequences use it). For a CUDA-graph step the batch is padded to a bucket
+B (T = S = B): the entries up to the end of query_start_loc then have the same layout as the
+graph's static buffer (``packed_offsets(B, B, 0, 0)``), so one device copy refreshes them,
+and a second one puts the gathered block table into the graph's fixed-width table.
 
 Async scheduling stages a step before the previous one's tokens are back on the host: a
-chunk whose input token is still being sampled is *fed* on the device, ``input_ids[feed_rows[j]]
-= previous_sampled_ids[feed_src[j]]``, right after the upload (the host wrote 0 there).
+chunk whose last token is still being sampled is *fed* on the device, ``input_ids[feed_rows[j]]
+= last_sampled[feed_src[j]]`` (the persistent batch's per-row last sampled id), right after
+the upload (the host wrote 0 there).
 
 Padding rows (decode-only steps padded to a bucket) are dummy sequences of one token:
 token 0 at position 0, ``seq_len`` 1, slot -1 (their K/V is written nowhere) and a block
@@ -33,7 +42,6 @@ import torch
 DEFAULT_MAX_CAPTURE_SIZE = 512
 # Mixed steps: token buckets up to the default step budget (max_num_batched_tokens).
 DEFAULT_MAX_MIXED_TOKENS = 2048
-
 
 def default_capture_sizes(max_num_seqs: int, max_size: int = DEFAULT_MAX_CAPTURE_SIZE) -> list[int]:
     """Batch-size buckets for decode CUDA graphs, up to ``min(max_num_seqs, max_size)``;
@@ -71,16 +79,27 @@ def bucket_for(num_seqs: int, sizes: list[int]) -> int | None:
 
 
 @dataclass
-class ChunkInput:
-    """One scheduled chunk as the runner sees it."""
+class StepInput:
+    """One step's sequences in batch order, as int64/bool numpy arrays of length S."""
 
-    token_ids: list[int]  # the chunk's new tokens
-    start: int  # position of the first one (= tokens already computed)
-    block_ids: list[int]  # the request's block table
-    samples: bool  # a token is sampled after this chunk
-    # Async scheduling: the chunk's (single) token is the previous step's sample number
-    # ``feed_index``, still on the device; -1: the token is known on the host.
-    feed_index: int = -1
+    rows: np.ndarray  # row in the persistent batch (>= 1; row 0 is the all-zero padding row)
+    starts: np.ndarray  # position of the first token computed (= num_computed_tokens)
+    q_lens: np.ndarray  # tokens computed
+    samples: np.ndarray  # bool: a token is sampled after this chunk
+    # bool: the chunk's last token is the row's last sampled id, still on the device (async).
+    fed: np.ndarray
+
+    @classmethod
+    def build(cls, rows: list[int], starts: list[int], q_lens: list[int], samples: list[bool],
+              fed: list[bool] | None = None) -> "StepInput":
+        n = len(rows)
+        return cls(
+            rows=np.asarray(rows, dtype=np.int64),
+            starts=np.asarray(starts, dtype=np.int64),
+            q_lens=np.asarray(q_lens, dtype=np.int64),
+            samples=np.asarray(samples, dtype=bool),
+            fed=np.zeros(n, dtype=bool) if fed is None else np.asarray(fed, dtype=bool),
+        )
 
 
 @dataclass
@@ -90,22 +109,31 @@ class StepLayout:
     num_tokens: int  # T, padding included
     num_seqs: int  # S, padding included
     num_real_seqs: int
+    num_real_tokens: int
     num_samples: int  # N
-    width: int  # W, block-table columns
+    num_feeds: int  # F
+    num_bt_updates: int  # K
+    width: int  # W, block-table columns the step reads
     max_query_len: int
     max_seq_len: int
     query_start_loc: list[int]  # host copies (the torch backend reads these)
     seq_lens: list[int]
-    sample_rows: list[int]
-    feed_rows: list[int]  # rows of input_ids to take from the previous step's samples...
-    feed_src: list[int]  # ...and which of them
+    sample_rows: np.ndarray  # rows of the flat batch whose hidden state is sampled
+    feed_rows: np.ndarray  # rows of input_ids fed from the last sampled ids...
+    feed_src: np.ndarray  # ...of these persistent-batch rows
 
     @property
     def total(self) -> int:
-        return self.offsets()["feed_src"][1]
+        return self.offsets()["bt_value"][1]
 
     def offsets(self) -> dict[str, tuple[int, int]]:
-        return packed_offsets(self.num_tokens, self.num_seqs, self.num_samples, self.width, len(self.feed_rows))
+        return packed_offsets(self.num_tokens, self.num_seqs, self.num_samples, self.num_feeds, self.num_bt_updates)
+
+    @property
+    def samples_in_order(self) -> bool:
+        """The sampled rows are the first N rows (a decode-only batch that all samples)."""
+        n = self.num_samples
+        return n == 0 or (int(self.sample_rows[-1]) == n - 1)
 
 
 # Each array starts on a 32-byte boundary: Triton specialises kernels on 16-byte pointer
@@ -114,7 +142,7 @@ _ALIGN = 4  # int64 elements
 
 
 def packed_offsets(
-    num_tokens: int, num_seqs: int, num_samples: int, width: int, num_feeds: int = 0
+    num_tokens: int, num_seqs: int, num_samples: int, num_feeds: int = 0, num_bt_updates: int = 0
 ) -> dict[str, tuple[int, int]]:
     """[start, end) of each array in the packed int64 buffer (starts aligned to 32 bytes)."""
     t, s = num_tokens, num_seqs
@@ -125,9 +153,12 @@ def packed_offsets(
         ("seq_lens", s),
         ("query_start_loc", s + 1),
         ("sample_rows", num_samples),
-        ("block_tables", s * width),
+        ("batch_rows", s),
+        ("sampled_rows", num_samples),
         ("feed_rows", num_feeds),
         ("feed_src", num_feeds),
+        ("bt_index", num_bt_updates),
+        ("bt_value", num_bt_updates),
     ]
     out: dict[str, tuple[int, int]] = {}
     at = 0
@@ -138,91 +169,101 @@ def packed_offsets(
     return out
 
 
-def plan_step(chunks: list[ChunkInput], pad_to: int | None = None, pad_tokens_to: int | None = None) -> StepLayout:
+def plan_step(
+    step: StepInput,
+    width: int,
+    pad_to: int | None = None,
+    pad_tokens_to: int | None = None,
+    num_bt_updates: int = 0,
+) -> StepLayout:
     """Sizes of the packed step. ``pad_to`` alone (decode-only steps) pads to that many
     one-token sequences. With ``pad_tokens_to`` (a mixed-step graph) the flat batch is padded
     to that many tokens, which belong to no sequence (their attention output is never
     written, and every other op is row-wise), and to ``pad_to`` sequences of length zero."""
-    if not chunks:
-        raise ValueError("a step needs at least one chunk")
-    q_lens = [len(c.token_ids) for c in chunks]
-    real = len(chunks)
+    real = int(step.rows.shape[0])
+    if not real:
+        raise ValueError("a step needs at least one sequence")
+    q_lens = step.q_lens
+    max_q = int(q_lens.max())
     num_seqs = real if pad_to is None else pad_to
     if num_seqs < real:
         raise ValueError(f"cannot pad {real} sequences to {pad_to}")
     pad = num_seqs - real
-    query_start = [0]
-    for n in q_lens:
-        query_start.append(query_start[-1] + n)
+    qsl = np.zeros(num_seqs + 1, dtype=np.int64)
+    np.cumsum(q_lens, out=qsl[1 : real + 1])
+    t_real = int(qsl[real])
+    seq_lens = np.empty(num_seqs, dtype=np.int64)
+    np.add(step.starts, q_lens, out=seq_lens[:real])
     if pad_tokens_to is None:
-        if pad_to is not None and max(q_lens) != 1:
+        if pad_to is not None and max_q != 1:
             raise ValueError("only decode-only steps (one token per sequence) are padded")
-        for _ in range(pad):
-            query_start.append(query_start[-1] + 1)
-        seq_lens = [c.start + n for c, n in zip(chunks, q_lens)] + [1] * pad
-        num_tokens = query_start[-1]
+        qsl[real + 1 :] = t_real + np.arange(1, pad + 1)
+        seq_lens[real:] = 1
+        num_tokens = t_real + pad
     else:
-        if pad_tokens_to < query_start[-1]:
-            raise ValueError(f"cannot pad {query_start[-1]} tokens to {pad_tokens_to}")
-        query_start += [query_start[-1]] * pad
-        seq_lens = [c.start + n for c, n in zip(chunks, q_lens)] + [0] * pad
+        if pad_tokens_to < t_real:
+            raise ValueError(f"cannot pad {t_real} tokens to {pad_tokens_to}")
+        qsl[real + 1 :] = t_real
+        seq_lens[real:] = 0
         num_tokens = pad_tokens_to
-    rows = [query_start[i + 1] - 1 for i, c in enumerate(chunks) if c.samples]
-    fed = [i for i, c in enumerate(chunks) if c.feed_index >= 0]
-    if any(q_lens[i] != 1 for i in fed):
-        raise ValueError("only one-token chunks take their token from the previous step")
+    ends = qsl[1 : real + 1] - 1
+    sample_rows = ends[step.samples]
+    feed_rows = ends[step.fed]
     return StepLayout(
         num_tokens=num_tokens,
         num_seqs=num_seqs,
         num_real_seqs=real,
-        num_samples=len(rows),
-        width=max(1, max(len(c.block_ids) for c in chunks)),
-        max_query_len=max(q_lens),
-        max_seq_len=max(seq_lens),
-        query_start_loc=query_start,
-        seq_lens=seq_lens,
-        sample_rows=rows,
-        feed_rows=[query_start[i] for i in fed],
-        feed_src=[chunks[i].feed_index for i in fed],
+        num_real_tokens=t_real,
+        num_samples=int(sample_rows.shape[0]),
+        num_feeds=int(feed_rows.shape[0]),
+        num_bt_updates=num_bt_updates,
+        width=max(1, width),
+        max_query_len=max_q,
+        max_seq_len=int(seq_lens.max()),
+        query_start_loc=qsl.tolist(),
+        seq_lens=seq_lens.tolist(),
+        sample_rows=sample_rows,
+        feed_rows=feed_rows,
+        feed_src=step.rows[step.fed],
     )
 
 
-def fill_step(buf: np.ndarray, layout: StepLayout, chunks: list[ChunkInput], block_size: int) -> None:
-    """Write the packed step into ``buf[:layout.total]`` (int64)."""
+def fill_step(
+    buf: np.ndarray,
+    layout: StepLayout,
+    step: StepInput,
+    token_ids: np.ndarray,
+    block_table: np.ndarray,
+    block_size: int,
+    bt_index: np.ndarray | None = None,
+    bt_value: np.ndarray | None = None,
+) -> None:
+    """Write the packed step into ``buf[:layout.total]`` (int64). ``token_ids`` [rows, cols]
+    and ``block_table`` [rows, W] are the persistent batch's host arrays; a fed token's
+    column may hold anything (it is written as 0, the device fills it)."""
     off = layout.offsets()
     real = layout.num_real_seqs
-    t_real = layout.query_start_loc[real]
+    t_real = layout.num_real_tokens
 
     def span(name: str) -> np.ndarray:
         a, b = off[name]
         return buf[a:b]
 
-    # Block tables first: the slot mapping is read from them.
-    bt = span("block_tables").reshape(layout.num_seqs, layout.width)
-    bt.fill(0)
-    for i, c in enumerate(chunks):
-        if c.block_ids:
-            bt[i, : len(c.block_ids)] = c.block_ids
-
     ids = span("input_ids")
     pos = span("positions")
     slots = span("slot_mapping")
-    if layout.max_query_len == 1:  # decode: one token per sequence, no per-token loops
-        ids[:real] = [c.token_ids[0] for c in chunks]
-        pos[:real] = [c.start for c in chunks]
+    if layout.max_query_len == 1:  # decode: one token per sequence, no per-token repeats
+        tok_rows = step.rows
+        p = step.starts
     else:
-        flat: list[int] = []
-        for c in chunks:
-            flat.extend(c.token_ids)
-        ids[:t_real] = flat
         qsl = np.asarray(layout.query_start_loc[: real + 1], dtype=np.int64)
-        starts = np.asarray([c.start for c in chunks], dtype=np.int64)
-        q_lens = np.diff(qsl)
-        pos[:t_real] = np.repeat(starts - qsl[:-1], q_lens) + np.arange(t_real, dtype=np.int64)
-    if t_real:
-        seq_of_token = np.repeat(np.arange(real), np.diff(np.asarray(layout.query_start_loc[: real + 1])))
-        p = pos[:t_real]
-        slots[:t_real] = bt[seq_of_token, p // block_size] * block_size + p % block_size
+        tok_rows = np.repeat(step.rows, step.q_lens)
+        p = np.repeat(step.starts - qsl[:-1], step.q_lens) + np.arange(t_real, dtype=np.int64)
+    pos[:t_real] = p
+    ids[:t_real] = token_ids[tok_rows, p]
+    if layout.num_feeds:
+        ids[layout.feed_rows] = 0  # the placeholder; the device writes the real id
+    slots[:t_real] = block_table[tok_rows, p // block_size] * block_size + p % block_size
     # Padding tokens: token 0 at position 0, stored nowhere.
     ids[t_real:] = 0
     pos[t_real:] = 0
@@ -230,8 +271,16 @@ def fill_step(buf: np.ndarray, layout: StepLayout, chunks: list[ChunkInput], blo
     span("seq_lens")[:] = layout.seq_lens
     span("query_start_loc")[:] = layout.query_start_loc
     span("sample_rows")[:] = layout.sample_rows
+    batch_rows = span("batch_rows")
+    batch_rows[:real] = step.rows
+    batch_rows[real:] = 0
+    span("sampled_rows")[:] = step.rows[step.samples]
     span("feed_rows")[:] = layout.feed_rows
     span("feed_src")[:] = layout.feed_src
+    if layout.num_bt_updates:
+        assert bt_index is not None and bt_value is not None
+        span("bt_index")[:] = bt_index
+        span("bt_value")[:] = bt_value
 
 
 class PinnedStaging:

@@ -4,7 +4,7 @@ An eager step launches ~13 kernels a layer from Python: ~20 ms a step on the H20
 the token count, which dominated prefix-hit TTFT and the prefill part of offline batches.
 Here each graph is one forward (embedding → layers → final norm) for a token bucket T, with
 ``S = min(T, max_num_seqs)`` sequence slots, reading static buffers laid out like a padded
-step of ``input_buffers.plan_step(chunks, S, T)``:
+step of ``input_buffers.plan_step(step, width, S, T)``:
 
 - ``scalars`` (int64): ``input_ids[T] | positions[T] | slot_mapping[T] | seq_lens[S] |
   query_start_loc[S+1]`` at ``packed_offsets(T, S, 0, 0)``;
@@ -132,13 +132,14 @@ class MixedGraphs:
         logger.info("captured %d mixed-step CUDA graphs (%d..%d tokens) in %.2f s",
                     len(self.graphs), self.token_sizes[0], self.token_sizes[-1], self.capture_seconds)
 
-    def replay(self, t: int, staged: torch.Tensor, width: int, bt_offset: int) -> torch.Tensor:
-        """Run bucket ``t`` on a step staged on the device (``plan_step(chunks, seqs_for(t), t)``);
+    def replay(self, t: int, staged: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+        """Run bucket ``t`` on a step staged on the device (``plan_step(step, width, seqs_for(t), t)``)
+        and its ``[seqs_for(t), width]`` block table (gathered from the persistent batch);
         returns the static ``[t, hidden]`` output (read it before the next replay)."""
         s = self.seqs_for(t)
         end = self._scalars_end(t)
         self.scalars[:end].copy_(staged[:end])
-        self.block_tables[:s, :width].copy_(staged[bt_offset : bt_offset + s * width].view(s, width))
+        self.block_tables[:s, : block_tables.shape[1]].copy_(block_tables)
         entry = self.graphs[t]
         entry.graph.replay()
         self.num_replays += 1

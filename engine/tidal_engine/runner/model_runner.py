@@ -1,9 +1,12 @@
-"""The model runner: turns a scheduled step into one forward pass over a flat batch.
+"""The model runner: one forward pass over a flat batch, taken from the persistent batch.
 
-It owns the model weights, the paged KV cache and the sampler. The scheduler says
-which tokens of which requests to compute; the runner lays them out flat, builds
-the attention metadata (positions, slots, block tables) and samples one token for
-every request whose chunk reached the end of its known tokens.
+It owns the model weights, the paged KV cache, the attention backend, the CUDA graphs,
+the LoRA slots, the sampler and the persistent batch (runner/persistent_batch.py: each
+live request's tokens and block table in a row of arrays kept between steps). The worker
+(worker/worker.py) applies the engine core's per-step diffs to the persistent batch and
+hands the runner a ``StepInput`` (rows, first positions, token counts, which sample); the
+runner gathers the inputs from the batch with numpy, ships them in one packed upload,
+builds the attention metadata and samples one token for every sampling sequence.
 """
 
 from __future__ import annotations
@@ -11,19 +14,19 @@ from __future__ import annotations
 import gc
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
 
+import numpy as np
 import torch
 
 from tidal_engine.config import EngineConfig
-from tidal_engine.core.request import PLACEHOLDER_TOKEN
-from tidal_engine.core.scheduler import SchedulerOutput
 from tidal_engine.layers.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend, set_attention_backend
 from tidal_engine.lora.manager import create_lora_manager
 from tidal_engine.models.loader import ModelSource, load_model
 from tidal_engine.runner.cuda_graphs import DecodeGraphs
 from tidal_engine.runner.input_buffers import (
-    ChunkInput,
     PinnedStaging,
+    StepInput,
     StepLayout,
     bucket_for,
     default_mixed_token_sizes,
@@ -32,7 +35,20 @@ from tidal_engine.runner.input_buffers import (
     plan_step,
 )
 from tidal_engine.runner.mixed_graphs import MixedGraphs
-from tidal_engine.runner.sampler import SampledTokens, Sampler, SamplingRow
+from tidal_engine.runner.persistent_batch import PersistentBatch
+
+if TYPE_CHECKING:  # the sampler's module is imported lazily (see default_sampler)
+    from tidal_engine.runner.sampler import SampledTokens
+
+# (vocab_size, max_num_seqs, device) -> a sampler with the runner/sampler.py interface.
+SamplerFactory = Callable[[int, int, torch.device], Any]
+
+
+def default_sampler(vocab_size: int, max_num_seqs: int, device: torch.device) -> Any:
+    from tidal_engine.runner.sampler import Sampler
+
+    return Sampler(vocab_size, max_num_seqs, device)
+
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +70,14 @@ class KVCacheSpec:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, source: ModelSource, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        source: ModelSource,
+        device: torch.device,
+        dtype: torch.dtype,
+        sampler_factory: SamplerFactory | None = None,
+    ) -> None:
         self.config = config
         self.source = source
         self.device = device
@@ -75,8 +98,10 @@ class ModelRunner:
         self.max_model_len = config.max_model_len or self.arch.max_position_embeddings
         self.num_blocks = self._decide_num_blocks()
         self.kv_caches: list[torch.Tensor] = self._allocate_kv_caches()
-        self.sampler = Sampler()
+        self.sampler = (sampler_factory or default_sampler)(self.arch.vocab_size, config.max_num_seqs, device)
         self.staging = PinnedStaging(device)
+        # Every live request's row: tokens, block table (mirrored on the device), last sample.
+        self.batch = PersistentBatch(config.max_num_seqs, self.max_model_len, config.block_size, device)
         self.cuda_graph_sizes = normalize_capture_sizes(config.cuda_graph_sizes, config.max_num_seqs)
         self.graphs: DecodeGraphs | None = None
         self.mixed_graphs: MixedGraphs | None = None
@@ -168,73 +193,47 @@ class ModelRunner:
         shape = (2, self.num_blocks, self.config.block_size, self.kv_spec.num_kv_heads, self.kv_spec.head_dim)
         return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.kv_spec.num_layers)]
 
-    # ---- one step --------------------------------------------------------------------
-    def _chunk_inputs(self, output: SchedulerOutput, feeds: dict[int, int] | None) -> list[ChunkInput]:
-        chunks = []
-        for i, chunk in enumerate(output.chunks):
-            req = chunk.request
-            start = req.num_computed_tokens
-            feed = feeds.get(i, -1) if feeds else -1
-            token_ids = req.all_token_ids[start : start + chunk.num_new_tokens]
-            if feed >= 0:
-                token_ids = [0]  # the placeholder; the device writes the real id
-            elif token_ids and token_ids[-1] == PLACEHOLDER_TOKEN:
-                raise RuntimeError(f"request {req.request_id}: a placeholder token reached the runner unfed")
-            chunks.append(
-                ChunkInput(
-                    token_ids=token_ids,
-                    start=start,
-                    block_ids=chunk.block_ids,
-                    samples=chunk.samples,
-                    feed_index=feed,
-                )
-            )
-        return chunks
-
-    def _graph_bucket(self, chunks: list[ChunkInput]) -> int | None:
+    # ---- one step ----------------------------------------------------------------------
+    def _graph_bucket(self, step: StepInput, width: int) -> int | None:
         """The CUDA-graph bucket for this step, or None to run it eagerly."""
-        if self.graphs is None or any(len(c.token_ids) != 1 for c in chunks):
+        if self.graphs is None or int(step.q_lens.max()) != 1:
             return None
-        if max(len(c.block_ids) for c in chunks) > self.graphs.max_blocks_per_seq:
+        if width > self.graphs.max_blocks_per_seq:
             return None
-        return bucket_for(len(chunks), self.graphs.sizes)
+        return bucket_for(int(step.rows.shape[0]), self.graphs.sizes)
 
-    def _mixed_bucket(self, chunks: list[ChunkInput]) -> int | None:
+    def _mixed_bucket(self, step: StepInput, width: int) -> int | None:
         """The mixed-step graph (token bucket) for a step no decode graph takes, or None."""
         if self.mixed_graphs is None:
             return None
-        num_tokens = sum(len(c.token_ids) for c in chunks)
-        width = max(len(c.block_ids) for c in chunks)
-        return self.mixed_graphs.bucket(num_tokens, len(chunks), width)
+        return self.mixed_graphs.bucket(int(step.q_lens.sum()), int(step.rows.shape[0]), width)
 
     def _stage(
-        self,
-        chunks: list[ChunkInput],
-        pad_to: int | None,
-        pad_tokens_to: int | None = None,
-        previous: torch.Tensor | None = None,
+        self, step: StepInput, width: int, pad_to: int | None, pad_tokens_to: int | None = None
     ) -> tuple[StepLayout, torch.Tensor]:
-        """Pack the step into a pinned buffer and start its (async) copy to the device; then
-        feed the chunks whose token is among ``previous`` (the last step's sampled ids)."""
-        layout = plan_step(chunks, pad_to, pad_tokens_to)
+        """Pack the step into a pinned buffer and start its (async) copy to the device; then,
+        on the device, apply the block-table changes to the persistent table and feed the
+        chunks whose last token is still only on the device."""
+        batch = self.batch
+        bt_index, bt_value = batch.take_block_updates()
+        layout = plan_step(step, width, pad_to, pad_tokens_to, num_bt_updates=int(bt_index.shape[0]))
         buf = self.staging.host_buffer(layout.total)
-        fill_step(buf, layout, chunks, self.config.block_size)
+        fill_step(buf, layout, step, batch.token_ids, batch.block_table, self.config.block_size, bt_index, bt_value)
         staged = self.staging.upload(layout.total)
-        if layout.feed_rows:
-            if previous is None:
-                raise RuntimeError("a step takes tokens from the previous one, which was not given")
-            _feed_input_ids(staged, layout, previous)
+        off = layout.offsets()
+        if layout.num_bt_updates:
+            (ia, ib), (va, vb) = off["bt_index"], off["bt_value"]
+            batch.apply_block_updates(staged[ia:ib], staged[va:vb])
+        if layout.num_feeds:
+            _feed_input_ids(staged, layout, batch.last_sampled_dev)
         return layout, staged
 
-    def prepare_inputs(self, output: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        """Flatten the scheduled chunks (no padding). Returns ids, positions, metadata and the
-        row of each sampling request's last token in the flat batch."""
-        layout, staged = self._stage(self._chunk_inputs(output, None), None)
-        ids, positions, meta, _ = self._views(layout, staged)
-        return ids, positions, meta, layout.sample_rows
+    def _block_tables(self, layout: StepLayout, staged: torch.Tensor) -> torch.Tensor:
+        """The step's [S, W] block table, gathered on the device from the persistent one."""
+        a, b = layout.offsets()["batch_rows"]
+        return self.batch.block_table_dev[:, : layout.width].index_select(0, staged[a:b])
 
-    @staticmethod
-    def _views(layout: StepLayout, staged: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+    def _views(self, layout: StepLayout, staged: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         off = layout.offsets()
 
         def view(name: str) -> torch.Tensor:
@@ -245,7 +244,7 @@ class ModelRunner:
             slot_mapping=view("slot_mapping"),
             query_start_loc=view("query_start_loc"),
             seq_lens=view("seq_lens"),
-            block_tables=view("block_tables").view(layout.num_seqs, layout.width),
+            block_tables=self._block_tables(layout, staged),
             max_query_len=layout.max_query_len,
             max_seq_len=layout.max_seq_len,
             query_start_loc_cpu=layout.query_start_loc,
@@ -253,57 +252,64 @@ class ModelRunner:
         )
         return view("input_ids"), view("positions"), meta, view("sample_rows")
 
+    def prepare_inputs(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, np.ndarray]:
+        """Flatten a step over the persistent batch (no padding). Returns ids, positions,
+        metadata and the row of each sampling sequence's last token in the flat batch."""
+        layout, staged = self._stage(step, self._width(step), None)
+        ids, positions, meta, _ = self._views(layout, staged)
+        return ids, positions, meta, layout.sample_rows
+
+    def _width(self, step: StepInput) -> int:
+        return max(1, int(self.batch.num_blocks[step.rows].max()))
+
     @torch.inference_mode()
     def execute(
         self,
-        output: SchedulerOutput,
-        rows: list[SamplingRow],
-        feeds: dict[int, int] | None = None,
-        previous: SampledTokens | None = None,
+        step: StepInput,
+        sample_req_ids: list[str],
+        grammar_bitmasks: dict[str, bytes] | None = None,
+        lora_chunks: list[Any] | None = None,
     ) -> SampledTokens | None:
-        """Queue the forward pass and the sampling for the chunks that ask for it (``rows``
-        in chunk order); nothing here waits for the device.
+        """Queue the forward pass over the persistent batch's ``step.rows`` and the sampling
+        of the sequences that sample (``sample_req_ids``, in batch order); nothing here waits
+        for the device. The sampled ids are also scattered into the persistent batch's
+        ``last_sampled_dev`` rows, where the next step's fed tokens come from.
 
-        ``feeds`` (async scheduling) maps a chunk's index to the index of its input token in
-        ``previous``, the last step's samples, still on the device. Decode-only steps replay
-        a CUDA graph (padded to its bucket) when graphs are on."""
-        prev_ids = previous.device_ids if previous is not None else None
-        if self.lora_manager is not None and self.lora_manager.begin_step(output.chunks):
+        ``lora_chunks``: the step's chunks as the LoRA manager wants them (``.request.lora_name``,
+        ``.num_new_tokens``), when any row uses an adapter; those steps run eagerly."""
+        if lora_chunks is not None and self.lora_manager is not None and self.lora_manager.begin_step(lora_chunks):
             try:  # rows use adapters: run eagerly (the graphs hold the base path only)
-                return self._execute(output, rows, feeds, prev_ids, allow_graphs=False)
+                return self._execute(step, sample_req_ids, grammar_bitmasks, allow_graphs=False)
             finally:
                 self.lora_manager.end_step()
-        return self._execute(output, rows, feeds, prev_ids)
+        return self._execute(step, sample_req_ids, grammar_bitmasks)
 
     def _execute(
         self,
-        output: SchedulerOutput,
-        rows: list[SamplingRow],
-        feeds: dict[int, int] | None,
-        previous: torch.Tensor | None,
+        step: StepInput,
+        sample_req_ids: list[str],
+        grammar_bitmasks: dict[str, bytes] | None,
         allow_graphs: bool = True,
     ) -> SampledTokens | None:
-        chunks = self._chunk_inputs(output, feeds)
-        bucket = self._graph_bucket(chunks) if allow_graphs else None
-        mixed = self._mixed_bucket(chunks) if allow_graphs and bucket is None else None
+        width = self._width(step)
+        bucket = self._graph_bucket(step, width) if allow_graphs else None
+        mixed = self._mixed_bucket(step, width) if allow_graphs and bucket is None else None
         if mixed is not None:
             assert self.mixed_graphs is not None
-            layout, staged = self._stage(chunks, self.mixed_graphs.seqs_for(mixed), mixed, previous)
-            bt_offset = layout.offsets()["block_tables"][0]
-            hidden = self.mixed_graphs.replay(mixed, staged, layout.width, bt_offset)
-            if not layout.sample_rows:
+            layout, staged = self._stage(step, width, self.mixed_graphs.seqs_for(mixed), mixed)
+            hidden = self.mixed_graphs.replay(mixed, staged, self._block_tables(layout, staged))
+            if not layout.num_samples:
                 return None
             a, b = layout.offsets()["sample_rows"]
             logits = self.model.compute_logits(hidden.index_select(0, staged[a:b]))
-            return self.sampler.sample(logits, rows)
-        layout, staged = self._stage(chunks, bucket, None, previous)
+            return self._sample(logits, layout, staged, sample_req_ids, grammar_bitmasks)
+        layout, staged = self._stage(step, width, bucket)
         if bucket is not None:
             assert self.graphs is not None
-            bt_offset = layout.offsets()["block_tables"][0]
-            logits = self.graphs.replay(bucket, staged, layout.width, bt_offset)
-            if not layout.sample_rows:
+            logits = self.graphs.replay(bucket, staged, self._block_tables(layout, staged))
+            if not layout.num_samples:
                 return None
-            if layout.sample_rows == list(range(layout.num_samples)):
+            if layout.samples_in_order:
                 logits = logits[: layout.num_samples]
             else:
                 a, b = layout.offsets()["sample_rows"]
@@ -311,10 +317,25 @@ class ModelRunner:
         else:
             ids, positions, meta, sample_rows = self._views(layout, staged)
             hidden = self.model(ids, positions, self.kv_caches, meta)
-            if not layout.sample_rows:
+            if not layout.num_samples:
                 return None
             logits = self.model.compute_logits(hidden.index_select(0, sample_rows))
-        return self.sampler.sample(logits, rows)
+        return self._sample(logits, layout, staged, sample_req_ids, grammar_bitmasks)
+
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        layout: StepLayout,
+        staged: torch.Tensor,
+        sample_req_ids: list[str],
+        grammar_bitmasks: dict[str, bytes] | None,
+    ) -> SampledTokens:
+        if len(sample_req_ids) != layout.num_samples:
+            raise ValueError(f"{layout.num_samples} sequences sample, but {len(sample_req_ids)} request ids were given")
+        sampled = self.sampler.sample(logits, sample_req_ids, grammar_bitmasks or None)
+        a, b = layout.offsets()["sampled_rows"]
+        self.batch.last_sampled_dev.index_copy_(0, staged[a:b], sampled.device_ids.view(-1).long())
+        return sampled
 
     # ---- CUDA graphs -----------------------------------------------------------------
     def _graphs_wanted(self) -> bool:
@@ -407,17 +428,13 @@ class ModelRunner:
         return {"weights_bytes": weights, "kv_cache_bytes": kv, "offloaded_weights_bytes": offloaded}
 
 
-def _feed_input_ids(staged: torch.Tensor, layout: StepLayout, previous: torch.Tensor) -> None:
-    """input_ids[feed_rows] = previous[feed_src], on the device, before anything reads them."""
+def _feed_input_ids(staged: torch.Tensor, layout: StepLayout, last_sampled: torch.Tensor) -> None:
+    """input_ids[feed_rows] = last_sampled[feed_src], on the device, before anything reads them."""
     off = layout.offsets()
     a, b = off["input_ids"]
-    n = len(layout.feed_rows)
-    if layout.feed_rows == list(range(n)) and layout.feed_src == list(range(n)):
-        staged[a : a + n].copy_(previous[:n])  # the steady decode batch: same requests, same order
-        return
     ra, rb = off["feed_rows"]
     sa, sb = off["feed_src"]
-    staged[a:b].index_copy_(0, staged[ra:rb], previous.index_select(0, staged[sa:sb]))
+    staged[a:b].index_copy_(0, staged[ra:rb], last_sampled.index_select(0, staged[sa:sb]))
 
 
 def choose_attention_backend(device: torch.device) -> AttentionBackend:
