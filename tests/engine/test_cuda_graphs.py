@@ -10,6 +10,7 @@ and the GPU path gives the torch reference's tokens.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -17,8 +18,8 @@ import pytest
 import torch
 
 from tidal_engine.runner.input_buffers import (
-    ChunkInput,
     PinnedStaging,
+    StepInput,
     bucket_for,
     default_capture_sizes,
     default_mixed_token_sizes,
@@ -27,6 +28,7 @@ from tidal_engine.runner.input_buffers import (
     packed_offsets,
     plan_step,
 )
+from tidal_engine.runner.persistent_batch import PersistentBatch
 
 from tiny_tokenizer import SAMPLE_PROMPTS
 
@@ -71,10 +73,38 @@ def test_bucket_for(n: int, expected: int | None) -> None:
 
 
 # ---------------------------------------------------------------------------------------
-# Step layout
+# Step layout (over a persistent batch's host arrays)
 
 
-def _naive(chunks: list[ChunkInput], block_size: int) -> dict[str, list[int]]:
+@dataclass
+class _Chunk:
+    token_ids: list[int]  # the chunk's new tokens
+    start: int
+    block_ids: list[int]
+    samples: bool
+
+
+def _batch(chunks: list[_Chunk], block_size: int) -> tuple[PersistentBatch, StepInput]:
+    """A persistent batch holding each chunk's request (tokens up to the chunk's end; the
+    tokens before ``start`` are dummies), and the step over it."""
+    batch = PersistentBatch(max_rows=len(chunks), max_model_len=64, block_size=block_size, device=torch.device("cpu"))
+    rows = [batch.add(f"r{i}", [99] * c.start + c.token_ids, c.block_ids) for i, c in enumerate(chunks)]
+    step = StepInput.build(rows, [c.start for c in chunks], [len(c.token_ids) for c in chunks], [c.samples for c in chunks])
+    return batch, step
+
+
+def _stage(chunks: list[_Chunk], bs: int, pad_to: int | None = None, pad_tokens_to: int | None = None,
+           fill: int = 12345, extra: int = 0) -> tuple[np.ndarray, object, PersistentBatch]:
+    batch, step = _batch(chunks, bs)
+    index, value = batch.take_block_updates()
+    width = int(batch.num_blocks[step.rows].max())
+    layout = plan_step(step, width, pad_to, pad_tokens_to, num_bt_updates=int(index.shape[0]))
+    buf = np.full(layout.total + extra, fill, dtype=np.int64)
+    fill_step(buf, layout, step, batch.token_ids, batch.block_table, bs, index, value)
+    return buf, layout, batch
+
+
+def _naive(chunks: list[_Chunk], block_size: int) -> dict[str, list[int]]:
     ids, pos, slots = [], [], []
     for c in chunks:
         for j, t in enumerate(c.token_ids):
@@ -89,42 +119,46 @@ def _unpack(buf: np.ndarray, layout) -> dict[str, np.ndarray]:  # type: ignore[n
     return {name: buf[a:b] for name, (a, b) in layout.offsets().items()}
 
 
+def _device_table(batch: PersistentBatch, got: dict[str, np.ndarray], width: int) -> list[list[int]]:
+    """The step's block table as the runner builds it: scatter the updates, gather the rows."""
+    batch.apply_block_updates(torch.from_numpy(got["bt_index"]), torch.from_numpy(got["bt_value"]))
+    rows = torch.from_numpy(got["batch_rows"].copy())
+    return batch.block_table_dev[:, :width].index_select(0, rows).tolist()
+
+
 def test_mixed_step_layout_matches_naive() -> None:
     bs = 4
     chunks = [
-        ChunkInput(token_ids=[5, 6, 7, 8, 9], start=3, block_ids=[7, 2], samples=True),  # prefill chunk
-        ChunkInput(token_ids=[11], start=9, block_ids=[1, 4, 3], samples=True),  # decode
-        ChunkInput(token_ids=[1, 2], start=0, block_ids=[6], samples=False),  # chunk, no sample
+        _Chunk(token_ids=[5, 6, 7, 8, 9], start=3, block_ids=[7, 2], samples=True),  # prefill chunk
+        _Chunk(token_ids=[11], start=9, block_ids=[1, 4, 3], samples=True),  # decode
+        _Chunk(token_ids=[1, 2], start=0, block_ids=[6], samples=False),  # chunk, no sample
     ]
-    layout = plan_step(chunks)
+    buf, layout, batch = _stage(chunks, bs, extra=10)
     assert (layout.num_tokens, layout.num_seqs, layout.width) == (8, 3, 3)
     assert layout.query_start_loc == [0, 5, 6, 8]
     assert layout.seq_lens == [8, 10, 2]
-    assert layout.sample_rows == [4, 5]
+    assert layout.sample_rows.tolist() == [4, 5]
     assert layout.max_query_len == 5 and layout.max_seq_len == 10
-    buf = np.full(layout.total + 10, 12345, dtype=np.int64)
-    fill_step(buf, layout, chunks, bs)
     got = _unpack(buf, layout)
     for name, values in _naive(chunks, bs).items():
         assert got[name].tolist() == values, name
     assert got["seq_lens"].tolist() == [8, 10, 2]
     assert got["query_start_loc"].tolist() == [0, 5, 6, 8]
     assert got["sample_rows"].tolist() == [4, 5]
-    assert got["block_tables"].reshape(3, 3).tolist() == [[7, 2, 0], [1, 4, 3], [6, 0, 0]]
+    assert got["batch_rows"].tolist() == [1, 2, 3] and got["sampled_rows"].tolist() == [1, 2]
+    assert _device_table(batch, got, 3) == [[7, 2, 0], [1, 4, 3], [6, 0, 0]]
     assert (buf[layout.total :] == 12345).all()  # nothing written past the step
 
 
 def test_decode_step_padded_to_bucket() -> None:
     bs = 16
     chunks = [
-        ChunkInput(token_ids=[42], start=20, block_ids=[3, 9], samples=True),
-        ChunkInput(token_ids=[43], start=0, block_ids=[5], samples=True),
-        ChunkInput(token_ids=[44], start=31, block_ids=[1, 2], samples=True),
+        _Chunk(token_ids=[42], start=20, block_ids=[3, 9], samples=True),
+        _Chunk(token_ids=[43], start=0, block_ids=[5], samples=True),
+        _Chunk(token_ids=[44], start=31, block_ids=[1, 2], samples=True),
     ]
-    layout = plan_step(chunks, pad_to=8)
+    buf, layout, batch = _stage(chunks, bs, pad_to=8, fill=-7)
     assert (layout.num_tokens, layout.num_seqs, layout.num_real_seqs) == (8, 8, 3)
-    buf = np.full(layout.total, -7, dtype=np.int64)
-    fill_step(buf, layout, chunks, bs)
     got = _unpack(buf, layout)
     assert got["input_ids"].tolist() == [42, 43, 44] + [0] * 5
     assert got["positions"].tolist() == [20, 0, 31] + [0] * 5
@@ -132,20 +166,56 @@ def test_decode_step_padded_to_bucket() -> None:
     assert got["slot_mapping"].tolist() == [9 * 16 + 4, 5 * 16, 2 * 16 + 15] + [-1] * 5
     assert got["seq_lens"].tolist() == [21, 1, 32] + [1] * 5
     assert got["query_start_loc"].tolist() == list(range(9))
-    assert got["sample_rows"].tolist() == [0, 1, 2]
-    bt = got["block_tables"].reshape(8, 2)
-    assert bt[:3].tolist() == [[3, 9], [5, 0], [1, 2]] and (bt[3:] == 0).all()
+    assert got["sample_rows"].tolist() == [0, 1, 2] and layout.samples_in_order
+    bt = _device_table(batch, got, 2)
+    assert bt[:3] == [[3, 9], [5, 0], [1, 2]] and all(r == [0, 0] for r in bt[3:])  # padding: the zero row
     # The graph's static buffer has the same layout up to the end of query_start_loc.
-    per_step = ("sample_rows", "block_tables", "feed_rows", "feed_src")
-    assert {k: v for k, v in layout.offsets().items() if k not in per_step} == {
-        k: v for k, v in packed_offsets(8, 8, 0, 0).items() if k not in per_step
-    }
+    static = packed_offsets(8, 8, 0, 0)
+    assert all(layout.offsets()[k] == static[k] for k in ("input_ids", "positions", "slot_mapping", "seq_lens", "query_start_loc"))
+
+
+def test_steady_decode_uploads_no_block_table() -> None:
+    # Once a request's blocks are on the device, a step ships only the entries that changed.
+    bs = 4
+    chunks = [_Chunk([1], 5, [3, 8], True), _Chunk([2], 2, [6], True)]
+    buf, layout, batch = _stage(chunks, bs)
+    assert layout.num_bt_updates == 3
+    _device_table(batch, _unpack(buf, layout), 2)
+    batch.append_blocks(batch.row_of["r1"], [9])  # r1 crosses into its second block
+    step = StepInput.build([1, 2], [6, 4], [1, 1], [True, True])
+    index, value = batch.take_block_updates()
+    layout = plan_step(step, 2, num_bt_updates=int(index.shape[0]))
+    assert layout.num_bt_updates == 1 and value.tolist() == [9]
+    buf = np.zeros(layout.total, dtype=np.int64)
+    batch.token_ids[1, 6] = 1
+    batch.token_ids[2, 4] = 2
+    fill_step(buf, layout, step, batch.token_ids, batch.block_table, bs, index, value)
+    got = _unpack(buf, layout)
+    assert _device_table(batch, got, 2) == [[3, 8], [6, 9]]
+    assert got["slot_mapping"].tolist() == [8 * 4 + 2, 9 * 4 + 0]
+
+
+def test_fed_tokens_are_placeholders_on_the_host() -> None:
+    bs = 4
+    batch, step = _batch([_Chunk([7, 8], 0, [2], True), _Chunk([9], 3, [5], True)], bs)
+    batch.take_block_updates()
+    # Row 2 has 4 known tokens and computes position 4: its token is still on the device.
+    fed = StepInput.build([2, 1], [4, 1], [1, 2], [True, True])
+    fed.fed = fed.starts + fed.q_lens > batch.num_tokens[fed.rows]
+    assert fed.fed.tolist() == [True, True]  # row 1 knows 2 tokens, computes 1..2
+    layout = plan_step(fed, 2)
+    assert layout.feed_rows.tolist() == [0, 2] and layout.feed_src.tolist() == [2, 1]
+    buf = np.full(layout.total, 5, dtype=np.int64)
+    fill_step(buf, layout, fed, batch.token_ids, batch.block_table, bs)
+    got = _unpack(buf, layout)
+    assert got["input_ids"].tolist() == [0, 8, 0]
+    assert got["feed_rows"].tolist() == [0, 2] and got["feed_src"].tolist() == [2, 1]
 
 
 def test_packed_arrays_are_32_byte_aligned() -> None:
     # Triton compiles a kernel variant per pointer alignment: every array must start aligned.
-    for t, s, n, w in [(1, 1, 1, 1), (7, 3, 2, 5), (2048, 9, 4, 33)]:
-        offsets = packed_offsets(t, s, n, w)
+    for t, s, n, f, k in [(1, 1, 1, 0, 0), (7, 3, 2, 1, 5), (2048, 9, 4, 3, 33)]:
+        offsets = packed_offsets(t, s, n, f, k)
         assert all(a % 4 == 0 for a, _ in offsets.values())
         ends = sorted(offsets.values())
         assert all(e1 <= s2 for (_, e1), (s2, _) in zip(ends, ends[1:]))  # no overlap
@@ -153,36 +223,34 @@ def test_packed_arrays_are_32_byte_aligned() -> None:
 
 def test_only_decode_steps_are_padded() -> None:
     with pytest.raises(ValueError, match="decode-only"):
-        plan_step([ChunkInput([1, 2], 0, [0], True)], pad_to=4)
+        plan_step(StepInput.build([1], [0], [2], [True]), 1, pad_to=4)
     with pytest.raises(ValueError, match="cannot pad"):
-        plan_step([ChunkInput([1], 0, [0], True)] * 3, pad_to=2)
+        plan_step(StepInput.build([1, 2, 3], [0] * 3, [1] * 3, [True] * 3), 1, pad_to=2)
 
 
 def test_mixed_step_padded_to_token_bucket() -> None:
     # A mixed-step graph: padding tokens belong to no sequence, padding sequences are empty.
     bs = 4
     chunks = [
-        ChunkInput(token_ids=[5, 6, 7], start=2, block_ids=[7, 2], samples=True),
-        ChunkInput(token_ids=[11], start=9, block_ids=[1, 4, 3], samples=True),
+        _Chunk(token_ids=[5, 6, 7], start=2, block_ids=[7, 2], samples=True),
+        _Chunk(token_ids=[11], start=9, block_ids=[1, 4, 3], samples=True),
     ]
-    layout = plan_step(chunks, pad_to=4, pad_tokens_to=8)
+    buf, layout, batch = _stage(chunks, bs, pad_to=4, pad_tokens_to=8, fill=-7)
     assert (layout.num_tokens, layout.num_seqs, layout.num_real_seqs) == (8, 4, 2)
     assert layout.query_start_loc == [0, 3, 4, 4, 4]
     assert layout.seq_lens == [5, 10, 0, 0]
-    assert layout.sample_rows == [2, 3]
-    buf = np.full(layout.total, -7, dtype=np.int64)
-    fill_step(buf, layout, chunks, bs)
+    assert layout.sample_rows.tolist() == [2, 3]
     got = _unpack(buf, layout)
     naive = _naive(chunks, bs)
     assert got["input_ids"].tolist() == naive["input_ids"] + [0] * 4
     assert got["positions"].tolist() == naive["positions"] + [0] * 4
     assert got["slot_mapping"].tolist() == naive["slot_mapping"] + [-1] * 4
-    assert got["block_tables"].reshape(4, 3).tolist() == [[7, 2, 0], [1, 4, 3], [0, 0, 0], [0, 0, 0]]
+    assert _device_table(batch, got, 3) == [[7, 2, 0], [1, 4, 3], [0, 0, 0], [0, 0, 0]]
     # The graph's static buffer has this layout up to the end of query_start_loc.
     static = packed_offsets(8, 4, 0, 0)
     assert all(layout.offsets()[k] == static[k] for k in ("input_ids", "seq_lens", "query_start_loc"))
     with pytest.raises(ValueError, match="cannot pad"):
-        plan_step(chunks, pad_to=4, pad_tokens_to=3)
+        plan_step(StepInput.build([1, 2], [2, 9], [3, 1], [True, True]), 3, pad_to=4, pad_tokens_to=3)
 
 
 def test_default_mixed_token_sizes() -> None:
