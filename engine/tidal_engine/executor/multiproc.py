@@ -20,20 +20,18 @@ Structure (N ranks; world size 1 today, the tensor-parallel work raises it):
 Workers die with their parent: ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` (Linux; only when the
 executor is built on the main thread, since the signal fires when the *thread* that
 started the child exits), plus a watchdog thread that exits when the parent pid changes.
+They ignore SIGTERM/SIGINT (the parent's to handle: it drains, then shuts them down).
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import multiprocessing
 import os
 import pickle
 import queue
 import shutil
-import signal
 import socket
-import sys
 import tempfile
 import threading
 import time
@@ -44,6 +42,7 @@ from typing import Any
 import msgspec
 import torch
 
+from tidal_engine.engine.process_utils import die_with_parent, ignore_termination_signals, parent_alive, set_process_title
 from tidal_engine.executor.base import Executor, PendingStep
 from tidal_engine.executor.plan import StepPlan, StepResult
 
@@ -324,32 +323,18 @@ def _picklable_or_none(source: Any) -> Any:
 
 # ---- the worker process ----------------------------------------------------------------
 def _die_with_parent(parent_pid: int, use_pdeathsig: bool) -> None:
-    if use_pdeathsig and sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL("libc.so.6", use_errno=True)
-            PR_SET_PDEATHSIG = 1
-            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        except OSError:
-            pass
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+    if use_pdeathsig:
+        die_with_parent()  # PR_SET_PDEATHSIG: SIGKILL when the parent (thread) exits
+    if not parent_alive(parent_pid):  # the parent died before prctl took effect
         os._exit(1)
 
     def watch() -> None:
         while True:
             time.sleep(WATCHDOG_S)
-            if os.getppid() != parent_pid:
+            if not parent_alive(parent_pid):
                 os._exit(1)
 
     threading.Thread(target=watch, name="tidal-parent-watch", daemon=True).start()
-
-
-def _set_title(title: str) -> None:
-    try:
-        import setproctitle
-
-        setproctitle.setproctitle(title)
-    except ImportError:
-        pass
 
 
 def _worker_main(
@@ -367,7 +352,10 @@ def _worker_main(
     worker_kwargs: dict[str, Any],
 ) -> None:
     _die_with_parent(parent_pid, use_pdeathsig)
-    _set_title(f"tidal-worker rank {rank}")
+    # SIGTERM/SIGINT are the parent's (a Pod deletion signals the whole process group, and
+    # the engine drains first): workers stop on ShutdownMsg, or die with their parent.
+    ignore_termination_signals()
+    set_process_title(f"tidal-worker rank {rank}")
     import zmq
 
     ctx = zmq.Context()
