@@ -44,7 +44,10 @@ class NewRequest(msgspec.Struct, frozen=True):
 class ScheduledRequest(msgspec.Struct, frozen=True, array_like=True):
     """One request's share of a step. Tokens ``history[num_computed_tokens : +num_new_tokens]``
     are computed; the worker samples after it when ``samples`` (the chunk reaches the end
-    of the request's known tokens)."""
+    of the request's known tokens). Async scheduling: the chunk may end one token past the
+    worker's history (normally one token at position ``len(history)``); that last token is
+    the one the request sampled last, not yet taken into the history, and the worker feeds
+    it on the device. Any other chunk past the history is an error."""
 
     req_id: str
     num_computed_tokens: int
