@@ -93,6 +93,7 @@ class _Req:
     pending: int = 0  # sampled, result not taken yet
     resumed: bool = False
     paused: bool = False
+    lora_name: str | None = None
 
     @property
     def known(self) -> int:
@@ -116,8 +117,9 @@ class MiniCore:
         self.step_id = 0
         self.results: list[StepResult] = []
 
-    def add(self, rid: str, prompt: list[int], max_tokens: int, *, computed: int = 0, blocks: list[int] | None = None) -> None:
-        req = _Req(rid, list(prompt), max_tokens, num_computed=computed)
+    def add(self, rid: str, prompt: list[int], max_tokens: int, *, computed: int = 0, blocks: list[int] | None = None,
+            lora_name: str | None = None) -> None:
+        req = _Req(rid, list(prompt), max_tokens, num_computed=computed, lora_name=lora_name)
         if blocks:
             req.blocks = list(blocks)
             self.free = [b for b in self.free if b not in blocks]
@@ -151,7 +153,7 @@ class MiniCore:
             samples = end == req.known
             if req.sent_blocks is None:
                 new.append(NewRequest(req.rid, req.prompt, SamplingOptions(temperature=0.0), list(req.blocks),
-                                      req.num_computed, output_token_ids=list(req.out)))
+                                      req.num_computed, lora_name=req.lora_name, output_token_ids=list(req.out)))
                 diff: list[int] = []
             elif req.resumed:
                 diff = list(req.blocks)
@@ -530,3 +532,35 @@ def test_workers_die_with_a_killed_parent(tiny_dir: Path, tmp_path: Path) -> Non
     finally:
         if parent.poll() is None:
             parent.kill()
+
+
+@pytest.mark.parametrize("backend", ["uni", "mp"])
+def test_lora_rows_next_to_base_rows(tmp_path: Path, backend: str) -> None:
+    # One request through an adapter, one on the base model, in the same steps: each gets
+    # the greedy tokens of its own model (PEFT's forward over the full sequence).
+    from test_lora_support import make_peft_adapter
+
+    hf = make_tiny_model("llama", tmp_path / "base", max_position_embeddings=256)
+    peft = make_peft_adapter(hf, tmp_path / "a", rank=4, alpha=8, seed=1)
+    config = _config(tmp_path / "base", enable_lora=True, max_loras=1, max_lora_rank=8, distributed_executor_backend=backend)
+    executor = create_executor(config, sampler_factory=_sampler_factory())
+    try:
+        executor.collective_rpc("add_lora", ("a", str(tmp_path / "a")))  # (name, folder): read by the worker
+        assert executor.collective_rpc("list_loras") == [["a"]]
+        core = MiniCore(executor, budget=6)
+        core.add("lora", PROMPTS["a"], 5, lora_name="a")
+        core.add("base", PROMPTS["a"], 5)
+        out = core.run()
+    finally:
+        executor.shutdown()
+
+    def greedy(model: Any, n: int) -> list[int]:
+        tokens = list(PROMPTS["a"])
+        with torch.no_grad():
+            for _ in range(n):
+                tokens.append(int(model(torch.tensor([tokens])).logits[0, -1].argmax()))
+        return tokens[len(PROMPTS["a"]) :]
+
+    assert out["base"] == greedy(hf, 5)
+    assert out["lora"] == greedy(peft, 5)
+    assert out["lora"] != out["base"]  # the adapter really changed the output
