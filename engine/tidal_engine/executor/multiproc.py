@@ -407,7 +407,10 @@ def _worker_main(
         worker = Worker(config, source, dev, getattr(torch, dtype), rank=rank, world_size=world_size, **worker_kwargs)
     except Exception:  # noqa: BLE001
         outbox.put(ErrorMsg("startup", 0, traceback.format_exc()))
+        outbox.put(None)
         outbox.join()
+        push.close(linger=5000)  # deliver the error before exiting
+        ctx.term()
         os._exit(1)
     outbox.put(ReadyMsg(rank, os.getpid(), worker.num_kv_blocks()))
     while True:
