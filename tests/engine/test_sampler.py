@@ -1,253 +1,501 @@
-"""Sampler: penalties, min_tokens, greedy/top-k/top-p/min-p, seeded reproducibility, logprobs, statistics."""
+"""Sampler with per-request device state: exact filters (against a sort-based reference),
+chi-square goodness of fit (with a negative control), seeded determinism, greedy/random mixes,
+penalties and min_tokens tracked on the device, logprobs, grammar bitmasks."""
 
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
 
-from tidal_engine.runner.sampler import (
-    Sampler,
-    SamplingRow,
-    _apply_penalties,
-    make_generator,
-)
-from tidal_engine.sampling_params import SamplingParams
+import tidal_engine.runner.sampler as sampler_module
+from tidal_engine.executor.plan import SampledLogprobs, SamplingOptions
+from tidal_engine.runner.sampler import Sampler, filtered_probs
+
+O = SamplingOptions
 
 
-def row(
-    params: SamplingParams,
-    prompt: list[int] | None = None,
-    output: list[int] | None = None,
-    eos: set[int] | None = None,
-) -> SamplingRow:
-    generator = make_generator(params.seed, "cpu") if params.seed is not None else None
-    return SamplingRow(
-        params=params,
-        prompt_token_ids=prompt or [],
-        output_token_ids=output or [],
-        generator=generator,
-        eos_token_ids=eos or set(),
-    )
+# ---------------------------------------------------------------- references (plain torch, per row)
 
 
-def logits_from_probs(probs: list[float]) -> torch.Tensor:
-    return torch.tensor(probs, dtype=torch.float32).log()
+def reference_filtered(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float,
+                       top_p_off_by: int = 0) -> torch.Tensor:
+    """One row's sampling distribution: stable descending sort, top-k by position, top-p on the
+    renormalised top-k distribution (smallest head reaching top_p), min-p against the max.
+    ``top_p_off_by`` keeps that many more (or fewer) tokens than top-p should: a wrong filter."""
+    vocab = logits.shape[0]
+    x = logits.double() / temperature
+    values, order = x.sort(descending=True, stable=True)
+    keep = vocab if top_k <= 0 or top_k >= vocab else top_k
+    values[keep:] = float("-inf")
+    probs = values.softmax(-1)
+    if top_p < 1.0:
+        mass, n_keep = 0.0, 0
+        for p in probs.tolist():
+            if n_keep > 0 and mass >= top_p:
+                break
+            mass += p
+            n_keep += 1
+        n_keep = max(1, min(keep, n_keep + top_p_off_by))
+        probs[n_keep:] = 0.0
+        probs = probs / probs.sum()
+    if min_p > 0.0:
+        probs[probs < min_p * probs.max()] = 0.0
+        probs = probs / probs.sum()
+    out = torch.zeros(vocab, dtype=torch.float64)
+    out[order] = probs
+    return out
 
 
-def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    expected = probs * counts.sum()
-    return float(((counts - expected) ** 2 / expected).sum())
+def reference_processed(logits: torch.Tensor, options: SamplingOptions, prompt: list[int], outputs: list[int],
+                        grammar_row: bool = False) -> torch.Tensor:
+    """One row's logits after penalties and min_tokens, from the token lists."""
+    x = logits.double().clone()
+    if options.repetition_penalty != 1.0:
+        for t in set(prompt) | set(outputs):
+            x[t] = x[t] / options.repetition_penalty if x[t] > 0 else x[t] * options.repetition_penalty
+    for t in set(outputs):
+        x[t] -= options.frequency_penalty * outputs.count(t) + options.presence_penalty
+    if len(outputs) < options.min_tokens and not grammar_row:
+        for t in options.min_tokens_banned:
+            x[t] = float("-inf")
+    return x
 
 
-def test_greedy_is_argmax() -> None:
+def chi_square_critical(df: int, z: float = 5.0) -> float:
+    """Wilson–Hilferty upper quantile of chi-square(df) at normal z = 5 (p ≈ 3e-7): never flakes."""
+    h = 2.0 / (9.0 * df)
+    return df * (1.0 - h + z * math.sqrt(h)) ** 3
+
+
+def fits(counts: torch.Tensor, probs: torch.Tensor) -> bool:
+    """Chi-square goodness of fit: no draw outside the support, statistic below the critical value."""
+    support = probs > 0
+    if counts[~support].sum() > 0:
+        return False
+    expected = probs[support] * counts.sum()
+    stat = float(((counts[support] - expected) ** 2 / expected).sum())
+    return int(support.sum()) == 1 or stat < chi_square_critical(int(support.sum()) - 1)
+
+
+def make(vocab: int, slots: int = 64, seed: int | None = 0) -> Sampler:
+    generator = torch.Generator().manual_seed(seed) if seed is not None else None
+    return Sampler(vocab, slots, torch.device("cpu"), generator)
+
+
+def random_options(rng: random.Random, vocab: int) -> tuple[float, int, float, float]:
+    temperature = rng.choice([0.3, 0.7, 1.0, 1.5])
+    top_k = rng.choice([0, -1, 1, 2, 5, 17, vocab, vocab + 3])
+    top_p = rng.choice([1.0, 1.0, 0.05, 0.3, 0.62, 0.9, 0.99])
+    min_p = rng.choice([0.0, 0.0, 0.01, 0.1, 0.5])
+    return temperature, top_k, top_p, min_p
+
+
+# ---------------------------------------------------------------- exact filters
+
+
+@pytest.mark.parametrize("trial", range(4))
+def test_filtered_probs_equal_sort_reference(trial: int) -> None:
+    rng = random.Random(trial)
+    vocab = 97
+    torch.manual_seed(trial)
+    n = 96
+    logits = torch.randn(n, vocab) * rng.choice([0.5, 2.0, 5.0])
+    opts = [random_options(rng, vocab) for _ in range(n)]
+    if trial == 1:  # every row with top_k: the topk-only path
+        opts = [(t, rng.choice([1, 3, 10, 40]), p, m) for t, _, p, m in opts]
+    if trial == 2:  # no top_k: sort and plain paths only
+        opts = [(t, 0, p, m) for t, _, p, m in opts]
+    got = filtered_probs(logits, *[list(c) for c in zip(*opts)]).double()
+    for i, (t, k, p, m) in enumerate(opts):
+        want = reference_filtered(logits[i], t, k, p, m)
+        assert torch.equal(got[i] > 0, want > 0), (i, opts[i])
+        torch.testing.assert_close(got[i], want, rtol=1e-5, atol=1e-6)
+
+
+def test_top_k_one_and_tiny_top_p_are_argmax() -> None:
+    torch.manual_seed(2)
+    logits = torch.randn(6, 400)
+    sampler = make(400)
+    for i in range(3):
+        sampler.add_request(f"k{i}", O(temperature=1.3, top_k=1), [])
+        sampler.add_request(f"p{i}", O(temperature=1.0, top_p=1e-6), [])
+    ids, lps = sampler.sample(logits, ["k0", "p0", "k1", "p1", "k2", "p2"]).result()
+    assert ids == logits.argmax(-1).tolist()
+    assert lps == []
+
+
+def test_sample_draws_from_filter_candidates(monkeypatch: pytest.MonkeyPatch) -> None:
+    """sample() takes its distribution from _filter_candidates (the function the exactness test checks)."""
+    calls: list[str] = []
+    original = sampler_module._filter_candidates
+
+    def forced(x, group, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(group)
+        weights, ids = original(x, group, *args, **kwargs)
+        forced_weights = torch.zeros_like(weights)
+        forced_weights[:, -1] = 1.0  # the least likely candidate only
+        return forced_weights, ids
+
+    monkeypatch.setattr(sampler_module, "_filter_candidates", forced)
+    torch.manual_seed(0)
+    logits = torch.randn(3, 50)
+    sampler = make(50)
+    sampler.add_request("k", O(top_k=5), [])
+    sampler.add_request("p", O(top_p=0.9), [])
+    sampler.add_request("plain", O(temperature=0.5), [])
+    ids, _ = sampler.sample(logits, ["k", "p", "plain"]).result()
+    assert sorted(calls) == ["plain", "sort", "top_k"]
+    assert ids[0] == logits[0].topk(5).indices[-1].item()
+    assert ids[1] == logits[1].argmin().item()
+    assert ids[2] == 49
+
+
+# ---------------------------------------------------------------- goodness of fit
+
+PROBS = [0.30, 0.22, 0.16, 0.12, 0.08, 0.05, 0.04, 0.02, 0.01]
+CONFIGS = [
+    dict(temperature=1.0),
+    dict(temperature=0.7, top_p=0.8),
+    dict(temperature=1.0, top_p=0.62),
+    dict(temperature=1.3, top_k=6, top_p=0.9),
+    dict(temperature=1.0, top_k=4, min_p=0.3),
+    dict(temperature=0.8, min_p=0.1),
+]
+
+
+def draw_counts(config: dict, seeded: bool, rows: int = 2000, steps: int = 10) -> torch.Tensor:
+    vocab = len(PROBS)
+    logits = torch.tensor(PROBS).log().expand(rows, vocab).contiguous()
+    sampler = make(vocab, slots=rows, seed=1234)
+    ids = [f"r{i}" for i in range(rows)]
+    for i, req in enumerate(ids):
+        sampler.add_request(req, O(seed=(7919 * i + 1) if seeded else None, **config), [])
+    counts = torch.zeros(vocab, dtype=torch.float64)
+    for _ in range(steps):
+        drawn, _ = sampler.sample(logits, ids).result()
+        counts += torch.bincount(torch.tensor(drawn), minlength=vocab).double()
+    return counts
+
+
+@pytest.mark.parametrize("seeded", [False, True], ids=["shared", "seeded"])
+@pytest.mark.parametrize("config", CONFIGS, ids=[str(i) for i in range(len(CONFIGS))])
+def test_chi_square_fit(config: dict, seeded: bool) -> None:
+    counts = draw_counts(config, seeded)
+    logits = torch.tensor(PROBS).log()
+    want = reference_filtered(logits, config["temperature"], config.get("top_k", 0),
+                              config.get("top_p", 1.0), config.get("min_p", 0.0))
+    assert fits(counts, want)
+    if config.get("top_p", 1.0) < 1.0:
+        # Negative control: the same draws reject a top-p that keeps one token more or one fewer.
+        for off_by in (1, -1):
+            wrong = reference_filtered(logits, config["temperature"], config.get("top_k", 0),
+                                       config["top_p"], config.get("min_p", 0.0), top_p_off_by=off_by)
+            if not torch.equal(wrong, want):
+                assert not fits(counts, wrong), off_by
+
+
+def test_negative_control_detects_off_by_one_top_p() -> None:
+    """An off-by-one top-p gives a distribution that the chi-square test rejects."""
+    logits = torch.tensor(PROBS).log()
+    right = reference_filtered(logits, 1.0, 0, 0.62, 0.0)
+    wrong = reference_filtered(logits, 1.0, 0, 0.62, 0.0, top_p_off_by=1)
+    assert int((right > 0).sum()) + 1 == int((wrong > 0).sum())
+    counts = draw_counts(dict(temperature=1.0, top_p=0.62), seeded=False)
+    assert fits(counts, right) and not fits(counts, wrong)
+
+
+# ---------------------------------------------------------------- seeds
+
+
+def run_seeded(seed: int, steps: int, others: bool, position: int = 0, opts: dict | None = None) -> list[int]:
+    vocab = 1000
+    gen = torch.Generator().manual_seed(99)
+    step_logits = [torch.randn(vocab, generator=gen) * 0.3 for _ in range(steps)]
+    sampler = make(vocab, seed=seed + 17)
+    kwargs = opts or dict(temperature=1.0)
+    sampler.add_request("me", O(seed=seed, **kwargs), [5])
+    req_ids = ["me"]
+    if others:
+        sampler.add_request("g", O(temperature=0.0), [1])
+        sampler.add_request("u", O(temperature=1.0, top_p=0.7), [1])
+        sampler.add_request("s", O(temperature=0.9, seed=seed + 1, top_k=30), [1])
+        sampler.add_request("pen", O(temperature=1.0, seed=3, frequency_penalty=0.5), [2])
+        req_ids = ["g", "u", "s", "pen"]
+        req_ids.insert(position, "me")
+    tokens = []
+    for t in range(steps):
+        noise = torch.randn(len(req_ids), vocab)
+        noise[req_ids.index("me")] = step_logits[t]
+        ids, _ = sampler.sample(noise, req_ids).result()
+        tokens.append(ids[req_ids.index("me")])
+    return tokens
+
+
+@pytest.mark.parametrize("opts", [dict(temperature=1.0), dict(temperature=0.8, top_k=200, top_p=0.95),
+                                  dict(temperature=1.1, top_p=0.9), dict(temperature=1.0, min_p=0.2)])
+def test_seed_gives_same_tokens_alone_and_in_mixed_batches(opts: dict) -> None:
+    alone = run_seeded(42, 12, others=False, opts=opts)
+    assert len(set(alone)) > 3  # the counter advances: not one token over and over
+    assert run_seeded(42, 12, others=True, position=0, opts=opts) == alone
+    assert run_seeded(42, 12, others=True, position=3, opts=opts) == alone
+    assert run_seeded(42, 12, others=False, opts=opts) == alone  # a new Sampler instance
+    assert run_seeded(43, 12, others=False, opts=opts) != alone
+
+
+def test_seeded_request_continues_from_its_output_count() -> None:
+    """A request re-added with its sampled tokens continues the same sequence."""
+    vocab = 500
+    logits = torch.zeros(1, vocab)
+    a = make(vocab)
+    a.add_request("r", O(seed=5), [1])
+    full = [a.sample(logits, ["r"]).result()[0][0] for _ in range(6)]
+    b = make(vocab)
+    b.add_request("r", O(seed=5), [1], full[:3])
+    assert [b.sample(logits, ["r"]).result()[0][0] for _ in range(3)] == full[3:]
+
+
+def test_large_and_negative_seeds() -> None:
+    logits = torch.zeros(3, 1000)
+    s = make(1000)
+    for name, seed in [("a", 2**63 - 1), ("b", -5), ("c", 2**40 + 3)]:
+        s.add_request(name, O(seed=seed), [])
+    ids, _ = s.sample(logits, ["a", "b", "c"]).result()
+    assert all(0 <= t < 1000 for t in ids) and len(set(ids)) == 3
+
+
+def test_unseeded_rows_follow_the_generator() -> None:
+    logits = torch.zeros(4, 1000)
+
+    def draw() -> list[int]:
+        s = make(1000, seed=77)
+        for i in range(4):
+            s.add_request(str(i), O(), [])
+        return s.sample(logits, ["0", "1", "2", "3"]).result()[0]
+
+    assert draw() == draw()
+
+
+# ---------------------------------------------------------------- greedy, penalties, min_tokens
+
+
+def test_greedy_fast_path_is_one_argmax(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.manual_seed(0)
     logits = torch.randn(6, 300)
-    out = Sampler()(logits, [row(SamplingParams(temperature=0.0)) for _ in range(6)])
-    assert out.token_ids == logits.argmax(dim=-1).tolist()
-    assert out.logprobs == [None] * 6
-    # Without logprobs nothing is computed for them (cumulative_logprob stays None, as in vLLM V1).
-    assert out.sampled_logprob == [None] * 6
-    with_lp = Sampler()(logits, [row(SamplingParams(temperature=0.0, logprobs=0)) for _ in range(6)])
-    assert with_lp.token_ids == out.token_ids
-    expected = torch.log_softmax(logits, -1).gather(1, logits.argmax(-1, keepdim=True)).squeeze(1)
-    assert with_lp.sampled_logprob == pytest.approx(expected.tolist())
+    sampler = make(300)
+    for i in range(6):
+        sampler.add_request(str(i), O(temperature=0.0, min_tokens=0), [1, 2])
+
+    def no_copy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise AssertionError("the pure-greedy path must not copy anything to the device")
+
+    monkeypatch.setattr(sampler, "_to_device", no_copy)
+    out = sampler.sample(logits, [str(i) for i in range(6)])
+    assert out.result() == (logits.argmax(-1).tolist(), [])
+
+
+def test_greedy_and_random_rows_mix() -> None:
+    torch.manual_seed(1)
+    vocab = 200
+    logits = torch.randn(8, vocab)
+    sampler = make(vocab)
+    names = []
+    for i in range(8):
+        greedy = i % 2 == 0
+        sampler.add_request(str(i), O(temperature=0.0 if greedy else 1.0, top_k=3 if i % 4 == 1 else 0), [])
+        names.append(str(i))
+    ids, _ = sampler.sample(logits, names).result()
+    for i in range(8):
+        if i % 2 == 0:
+            assert ids[i] == logits[i].argmax().item()
+        elif i % 4 == 1:
+            assert ids[i] in logits[i].topk(3).indices.tolist()
 
 
 def test_logits_not_modified() -> None:
     torch.manual_seed(1)
     logits = torch.randn(2, 50)
     before = logits.clone()
-    params = SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1, repetition_penalty=1.3,
-                            frequency_penalty=0.5, presence_penalty=0.5, min_tokens=2)
-    Sampler()(logits, [row(params, [1, 2], [3], eos={4}), row(SamplingParams(temperature=0.0), [5], [])])
+    s = make(50)
+    s.add_request("a", O(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1, repetition_penalty=1.3,
+                         frequency_penalty=0.5, presence_penalty=0.5, min_tokens=2, min_tokens_banned=(4,)), [1, 2], [3])
+    s.add_request("b", O(temperature=0.0, logprobs=2), [5])
+    s.sample(logits, ["a", "b"], {"a": b"\x0f\x00\x00\x00\xff\xff\xff\xff"}).result()
     assert torch.equal(logits, before)
 
 
-def test_top_k_one_is_greedy() -> None:
-    torch.manual_seed(2)
-    logits = torch.randn(5, 400)
-    out = Sampler()(logits, [row(SamplingParams(temperature=1.3, top_k=1)) for _ in range(5)])
-    assert out.token_ids == logits.argmax(dim=-1).tolist()
+PENALTY_OPTIONS = [
+    O(temperature=0.0, repetition_penalty=1.8),
+    O(temperature=0.0, frequency_penalty=0.9),
+    O(temperature=0.0, presence_penalty=1.2),
+    O(temperature=0.0, repetition_penalty=0.7, frequency_penalty=-0.4, presence_penalty=0.3),
+    O(temperature=0.0, repetition_penalty=1.3, min_tokens=4, min_tokens_banned=(0, 7)),
+    O(temperature=0.0, min_tokens=3, min_tokens_banned=(1,)),
+    O(temperature=0.0),
+    O(temperature=0.9, top_k=4, frequency_penalty=2.0, seed=1),
+]
 
 
-def test_tiny_top_p_is_argmax() -> None:
-    torch.manual_seed(3)
-    logits = torch.randn(5, 400)
-    out = Sampler()(logits, [row(SamplingParams(temperature=1.0, top_p=1e-6)) for _ in range(5)])
-    assert out.token_ids == logits.argmax(dim=-1).tolist()
-
-
-def test_top_k_and_top_p_restrict_support() -> None:
-    probs = [0.5, 0.3, 0.15, 0.05]
-    logits = logits_from_probs(probs).repeat(2000, 1)
-    sampler = Sampler(generator=make_generator(11, "cpu"))
-    # top_p=0.75: the mass before token 2 is 0.8 >= 0.75, so only tokens 0 and 1 remain.
-    out = sampler(logits, [row(SamplingParams(top_p=0.75)) for _ in range(2000)])
-    assert set(out.token_ids) == {0, 1}
-    out = sampler(logits, [row(SamplingParams(top_k=3)) for _ in range(2000)])
-    assert set(out.token_ids) == {0, 1, 2}
-
-
-def test_min_p() -> None:
-    probs = [0.5, 0.3, 0.15, 0.05]
-    logits = logits_from_probs(probs).repeat(2000, 1)
-    sampler = Sampler(generator=make_generator(5, "cpu"))
-    # Threshold 0.5 * 0.5 = 0.25: tokens 2 and 3 are cut.
-    out = sampler(logits, [row(SamplingParams(min_p=0.5)) for _ in range(2000)])
-    assert set(out.token_ids) == {0, 1}
-    counts = torch.bincount(torch.tensor(out.token_ids), minlength=2).float()
-    # Renormalised 0.5:0.3 -> 0.625:0.375; chi-square with 1 dof, 99.9% quantile 10.83.
-    assert chi_square(counts, torch.tensor([0.625, 0.375])) < 10.83
-
-
-def test_seeded_reproducible_across_batches() -> None:
-    torch.manual_seed(4)
-    vocab = 1000
-    target = torch.randn(vocab)
-    others = torch.randn(3, vocab)
-    sampler = Sampler()
-
-    def run(batch_kind: str) -> list[int]:
-        seeded = row(SamplingParams(temperature=1.0, seed=1234, top_p=0.95))
-        tokens = []
-        for step in range(12):
-            if batch_kind == "alone":
-                logits, rows, pos = target.unsqueeze(0), [seeded], 0
+def test_penalties_and_min_tokens_tracked_on_device() -> None:
+    """Several steps without telling the sampler any token: its device state matches the lists."""
+    vocab = 24
+    rng = torch.Generator().manual_seed(5)
+    sampler = make(vocab)
+    prompts = {str(i): torch.randint(0, vocab, (5,), generator=rng).tolist() for i in range(len(PENALTY_OPTIONS))}
+    outputs = {str(i): ([2, 2, 9] if i % 3 == 0 else []) for i in range(len(PENALTY_OPTIONS))}
+    for i, options in enumerate(PENALTY_OPTIONS):
+        sampler.add_request(str(i), options, prompts[str(i)], outputs[str(i)])
+    names = list(prompts)
+    for step in range(8):
+        logits = torch.randn(len(names), vocab, generator=rng) * 1.5
+        logits[:, 0] += 4.0  # a favourite that min_tokens bans for some rows
+        logits[:, 1] += 3.0
+        order = names[step % 3:] + names[: step % 3]  # batch order changes
+        rows = torch.stack([logits[names.index(n)] for n in order])
+        ids, _ = sampler.sample(rows, order).result()
+        for j, name in enumerate(order):
+            options = PENALTY_OPTIONS[int(name)]
+            want = reference_processed(rows[j], options, prompts[name], outputs[name])
+            if options.temperature == 0.0:
+                assert ids[j] == want.argmax().item(), (step, name)
             else:
-                # Other rows around it: unseeded, another seed, greedy.
-                companions = [
-                    row(SamplingParams(temperature=0.8)),
-                    row(SamplingParams(temperature=1.0, seed=step)),
-                    row(SamplingParams(temperature=0.0)),
-                ]
-                logits = torch.cat([others[:2], target.unsqueeze(0), others[2:]])
-                rows, pos = companions[:2] + [seeded] + companions[2:], 2
-            tokens.append(sampler(logits, rows).token_ids[pos])
-        return tokens
-
-    alone = run("alone")
-    assert run("mixed") == alone
-    assert len(set(alone)) > 1  # it really sampled
+                assert ids[j] in want.topk(4).indices.tolist()
+            outputs[name].append(ids[j])
+    for i, name in enumerate(names):
+        slot = sampler._requests[name].slot
+        assert sampler._iparams[slot, sampler_module._NUM_SAMPLED].item() == len(outputs[name])
+        if sampler._requests[name].penalties:
+            want_counts = torch.bincount(torch.tensor(outputs[name]), minlength=vocab)
+            assert torch.equal(sampler._counts[slot].long(), want_counts)
 
 
-def test_different_seeds_differ() -> None:
-    torch.manual_seed(5)
-    logits = torch.randn(1, 1000)
-    sampler = Sampler()
-
-    def draws(seed: int) -> list[int]:
-        r = row(SamplingParams(temperature=1.0, seed=seed))
-        return [sampler(logits, [r]).token_ids[0] for _ in range(10)]
-
-    assert draws(1) == draws(1)
-    assert draws(1) != draws(2)
-
-
-def test_penalties_match_hand_computation() -> None:
-    logits = torch.tensor([[2.0, -1.0, 0.5, -0.5, 1.0]])
-    params = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
-    r = row(params, prompt=[0], output=[1, 2, 2])
-    _apply_penalties(logits, [r])
-    # repetition on {0, 1, 2}: 2/2=1, -1*2=-2, 0.5/2=0.25.
-    # frequency/presence on output only: token 1 (count 1): -2-0.5-0.25; token 2 (count 2): 0.25-1-0.25.
-    expected = torch.tensor([[1.0, -2.75, -1.0, -0.5, 1.0]])
-    assert torch.allclose(logits, expected)
+def test_min_tokens_masks_banned_until_reached_except_with_grammar() -> None:
+    vocab = 10
+    sampler = make(vocab)
+    banned = O(temperature=0.0, min_tokens=3, min_tokens_banned=(3, 4))
+    sampler.add_request("a", banned, [1])
+    sampler.add_request("g", O(temperature=0.0, min_tokens=3, min_tokens_banned=(3,), has_grammar=True), [1])
+    sampler.add_request("late", banned, [1], [5, 5])  # one token to go
+    logits = torch.zeros(3, vocab)
+    logits[:, 3] = 10.0
+    logits[:, 4] = 9.0
+    all_ones = b"\xff" * 4
+    seen = []
+    for _ in range(4):
+        ids, _ = sampler.sample(logits, ["a", "g", "late"], {"g": all_ones}).result()
+        seen.append(ids)
+    assert [s[0] for s in seen] == [0, 0, 0, 3]
+    assert [s[1] for s in seen] == [3, 3, 3, 3]
+    assert [s[2] for s in seen] == [0, 3, 3, 3]
 
 
-def test_penalties_affect_greedy_choice() -> None:
-    logits = torch.tensor([[3.0, 2.9, 0.0]])
-    plain = Sampler()(logits, [row(SamplingParams(temperature=0.0), output=[0])])
-    assert plain.token_ids == [0]
-    for params in (
-        SamplingParams(temperature=0.0, repetition_penalty=1.2),
-        SamplingParams(temperature=0.0, frequency_penalty=0.2),
-        SamplingParams(temperature=0.0, presence_penalty=0.2),
-    ):
-        assert Sampler()(logits, [row(params, output=[0])]).token_ids == [1]
-    # Repetition also counts the prompt; frequency/presence do not.
-    assert Sampler()(logits, [row(SamplingParams(temperature=0.0, repetition_penalty=1.2), prompt=[0])]).token_ids == [1]
-    assert Sampler()(logits, [row(SamplingParams(temperature=0.0, presence_penalty=0.2), prompt=[0])]).token_ids == [0]
-
-
-def test_min_tokens_blocks_eos_and_stop_ids() -> None:
-    logits = torch.tensor([[0.0, 0.0, 10.0, 9.0, 1.0]])
-    eos = {2}
-    params = SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[3])
-    sampler = Sampler()
-    assert sampler(logits, [row(params, output=[0, 0], eos=eos)]).token_ids == [4]
-    assert sampler(logits, [row(params, output=[0, 0, 0], eos=eos)]).token_ids == [2]
-    # ignore_eos: EOS does not end the request, so it is not held back (vLLM semantics); stop ids are.
-    ignore = SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[3], ignore_eos=True)
-    assert sampler(logits, [row(ignore, output=[], eos=eos)]).token_ids == [2]
-    # Random sampling respects it too.
-    random_rows = [row(SamplingParams(min_tokens=1, stop_token_ids=[3]), eos=eos) for _ in range(200)]
-    out = sampler(logits.repeat(200, 1), random_rows)
-    assert not set(out.token_ids) & {2, 3}
-
-
-def test_logprobs_from_raw_logits() -> None:
-    torch.manual_seed(6)
-    logits = torch.randn(2, 64)
-    raw_lp = torch.log_softmax(logits, -1)
-    order = raw_lp[0].argsort(descending=True).tolist()
-    # Masking the best token as EOS under min_tokens forces the second best: rank 2.
-    params = SamplingParams(temperature=0.0, logprobs=3, min_tokens=1, repetition_penalty=1.5)
-    rows = [row(params, prompt=[order[5]], eos={order[0]}), row(SamplingParams(temperature=0.0, logprobs=0))]
-    out = Sampler()(logits, rows)
-    lp0 = out.logprobs[0]
-    assert lp0 is not None
-    sampled = out.token_ids[0]
-    assert sampled == order[1]
-    assert list(lp0)[0] == sampled  # sampled token first
-    assert set(lp0) == set(order[:3])
-    for rank, token in enumerate(order[:3], start=1):
-        assert lp0[token].rank == rank
-        assert lp0[token].logprob == pytest.approx(raw_lp[0, token].item(), abs=1e-6)
-    assert out.sampled_logprob[0] == pytest.approx(raw_lp[0, sampled].item(), abs=1e-6)
-    # logprobs=0: only the sampled token.
-    lp1 = out.logprobs[1]
-    assert lp1 is not None and list(lp1) == [out.token_ids[1]]
-    assert lp1[out.token_ids[1]].rank == 1
-
-
-def test_logprobs_rank_of_unlikely_sample() -> None:
-    probs = torch.tensor([0.4, 0.3, 0.2, 0.1])
-    logits = probs.log().unsqueeze(0)
-    # Only token 3 allowed through min_tokens masking of the others as stop ids.
-    params = SamplingParams(temperature=1.0, logprobs=2, min_tokens=1, stop_token_ids=[0, 1, 2])
-    out = Sampler()(logits, [row(params)])
-    assert out.token_ids == [3]
-    lp = out.logprobs[0]
-    assert lp is not None
-    assert lp[3].rank == 4
-    assert lp[3].logprob == pytest.approx(math.log(0.1), abs=1e-6)
-    assert lp[0].rank == 1 and lp[1].rank == 2 and 2 not in lp
-
-
-@pytest.mark.parametrize("temperature", [1.0, 0.5, 2.0])
-def test_temperature_sampling_follows_distribution(temperature: float) -> None:
-    base = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
-    draws = 2000
-    sampler = Sampler(generator=make_generator(2024, "cpu"))
-    out = sampler(base.repeat(draws, 1), [row(SamplingParams(temperature=temperature)) for _ in range(draws)])
-    counts = torch.bincount(torch.tensor(out.token_ids), minlength=5).float()
-    expected = torch.softmax(base / temperature, -1)
-    # 4 dof; 99.9% quantile of chi-square is 18.47. Deterministic by seed.
-    assert chi_square(counts, expected) < 18.47
-
-
-def test_seeded_rows_follow_distribution() -> None:
-    base = torch.tensor([1.0, 0.0, -0.5, 0.5])
-    expected = torch.softmax(base, -1)
-    r = row(SamplingParams(temperature=1.0, seed=99))
-    sampler = Sampler()
-    tokens = [sampler(base.unsqueeze(0), [r]).token_ids[0] for _ in range(2000)]
-    counts = torch.bincount(torch.tensor(tokens), minlength=4).float()
-    assert chi_square(counts, expected) < 16.27  # 3 dof, 99.9%
+def test_removed_slot_is_reused_clean() -> None:
+    vocab = 12
+    sampler = make(vocab, slots=2)
+    sampler.add_request("keep", O(temperature=0.0), [])
+    sampler.add_request("old", O(temperature=0.0, frequency_penalty=5.0, repetition_penalty=2.0), [3])
+    logits = torch.zeros(1, vocab)
+    logits[0, 3] = 1.0
+    logits[0, 5] = 0.9
+    logits[0, 6] = 0.8
+    assert sampler.sample(logits, ["old"]).result()[0] == [5]  # 3 is in the prompt: 1.0 / 2 = 0.5
+    assert sampler.sample(logits, ["old"]).result()[0] == [6]  # 5 was sampled: 0.9 / 2 - 5
+    slot = sampler._requests["old"].slot
+    with pytest.raises(RuntimeError, match="no free slot"):
+        sampler.add_request("third", O(), [])
+    sampler.remove_request("old")
+    sampler.remove_request("old")  # unknown ids: no-op
+    sampler.add_request("new", O(temperature=0.0, frequency_penalty=5.0, repetition_penalty=2.0), [6])
+    assert sampler._requests["new"].slot == slot
+    assert sampler.sample(logits, ["new"]).result()[0] == [3]  # nothing of the old request remains
+    with pytest.raises(ValueError, match="unknown request"):
+        sampler.sample(logits, ["old"])
 
 
 def test_empty_batch() -> None:
-    out = Sampler()(torch.empty(0, 10), [])
-    assert out.token_ids == [] and out.logprobs == [] and out.sampled_logprob == []
+    sampler = make(10)
+    out = sampler.sample(torch.empty(0, 10), [])
+    assert out.device_ids.shape == (0,)
+    assert out.result() == ([], [])
+
+
+# ---------------------------------------------------------------- logprobs
+
+
+def test_logprobs_from_raw_logits() -> None:
+    torch.manual_seed(3)
+    vocab = 40
+    logits = torch.randn(5, vocab) * 2
+    logits[2, [7, 8, 9]] = 10.0  # a three-way tie at the top
+    sampler = make(vocab)
+    opts = [O(temperature=0.0, logprobs=3, repetition_penalty=1.5), O(temperature=1.0, logprobs=None),
+            O(temperature=0.0, logprobs=0, min_tokens=5, min_tokens_banned=(7, 8)),
+            O(temperature=0.8, top_p=0.9, logprobs=5, seed=4), O(temperature=1.0, logprobs=vocab + 10)]
+    names = [str(i) for i in range(5)]
+    for name, o in zip(names, opts):
+        sampler.add_request(name, o, [1, 2, 3])
+    ids, lps = sampler.sample(logits, names).result()
+    raw = torch.log_softmax(logits.double(), -1)
+    assert lps[1] is None
+    for i in (0, 2, 3, 4):
+        lp = lps[i]
+        assert isinstance(lp, SampledLogprobs)
+        assert lp.sampled_logprob == pytest.approx(raw[i, ids[i]].item(), abs=1e-5)
+        assert lp.rank == int((raw[i] > raw[i, ids[i]] + 1e-9).sum()) + 1
+        n_top = min(opts[i].logprobs, vocab)
+        assert len(lp.top_ids) == len(lp.top_logprobs) == n_top
+        want_values = raw[i].sort(descending=True).values[:n_top]
+        assert lp.top_logprobs == pytest.approx(want_values.tolist(), abs=1e-5)
+        assert lp.top_logprobs == sorted(lp.top_logprobs, reverse=True)
+        for t, v in zip(lp.top_ids, lp.top_logprobs):
+            assert raw[i, t].item() == pytest.approx(v, abs=1e-5)
+    assert ids[2] == 9 and lps[2].rank == 1  # ties with the banned 7, 8 share rank 1
+    assert lps[2].top_ids == []
+
+
+def test_no_logprobs_gives_empty_list() -> None:
+    sampler = make(20)
+    sampler.add_request("a", O(temperature=1.0), [])
+    ids, lps = sampler.sample(torch.randn(1, 20), ["a"]).result()
+    assert len(ids) == 1 and lps == []
+
+
+# ---------------------------------------------------------------- grammar bitmasks
+
+
+def bitmask_bytes(allowed: list[int], vocab: int) -> bytes:
+    words = [0] * ((vocab + 31) // 32)
+    for t in allowed:
+        words[t // 32] |= 1 << (t % 32)
+    return torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words], dtype=torch.int32).numpy().tobytes()
+
+
+def test_grammar_rows_sample_only_allowed_tokens() -> None:
+    vocab = 70
+    torch.manual_seed(4)
+    sampler = make(vocab)
+    sampler.add_request("free", O(temperature=0.0), [])
+    sampler.add_request("g_greedy", O(temperature=0.0, has_grammar=True), [])
+    sampler.add_request("g_random", O(temperature=1.0, has_grammar=True, seed=2), [])
+    sampler.add_request("g_topk", O(temperature=1.0, top_k=3, has_grammar=True), [])
+    allowed = [3, 33, 64, 69]
+    masks = {name: bitmask_bytes(allowed, vocab) for name in ("g_greedy", "g_random", "g_topk")}
+    names = ["free", "g_greedy", "g_random", "g_topk"]
+    for _ in range(20):
+        logits = torch.randn(4, vocab)
+        ids, _ = sampler.sample(logits, names, masks).result()
+        assert ids[0] == logits[0].argmax().item()
+        assert ids[1] == allowed[int(logits[1, allowed].argmax())]
+        assert ids[2] in allowed and ids[3] in allowed
+
+
+def test_tokens_beyond_bitmask_width_stay_allowed() -> None:
+    vocab = 70
+    sampler = make(vocab)
+    sampler.add_request("g", O(temperature=0.0, has_grammar=True), [])
+    logits = torch.zeros(1, vocab)
+    logits[0, 66] = 5.0
+    two_words = bitmask_bytes([1], 64)  # covers tokens 0..63 only
+    assert sampler.sample(logits, ["g"], {"g": two_words}).result()[0] == [66]

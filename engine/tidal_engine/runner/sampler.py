@@ -1,342 +1,643 @@
-"""Token sampling for one engine step: penalties, min_tokens, greedy or filtered random sampling, logprobs.
+"""Token sampling with per-request state kept on the device.
 
-Order of operations (per row):
-  1. repetition penalty (prompt + output tokens; HF/vLLM: divide positive logits, multiply negative ones)
+A worker's model runner registers each request once (``add_request``: its ``SamplingOptions``,
+prompt and any tokens sampled before), then calls ``sample(logits, req_ids)`` every step. The
+sampler owns one *slot* per request (``max_num_seqs`` slots, a free list). Each slot's sampling
+parameters live in two small device tensors (float and int64 columns); the state that depends on
+the sampled tokens is updated ON THE DEVICE right after each draw:
+
+  * ``num_sampled``: tokens sampled so far (min_tokens; it is also the seeded RNG's counter);
+  * a ``[slots, vocab]`` int32 count of the output tokens (frequency / presence / repetition
+    penalties), allocated lazily when the first request with a penalty arrives;
+  * a ``[slots, vocab]`` bool prompt-presence mask (repetition penalty), written at add_request.
+
+So the next step never needs the sampled ids on the host: penalties, min_tokens and logprobs
+all keep async scheduling. ``sample()`` never waits for the device: per step it makes one small
+host→device copy of int64 indices (pinned, non-blocking on CUDA), branches only on host-known
+facts (which options the batch's requests set, and a host count of the calls per request),
+and starts an async device→host copy of the ids (and of the logprobs) into reused pinned
+buffers; ``SampledTokens.result()`` waits for that copy.
+
+Order of operations (per row), as before:
+  1. repetition penalty (prompt + output tokens; divide positive logits, multiply negative ones)
   2. frequency and presence penalties (output tokens only; OpenAI semantics)
-  3. min_tokens: EOS (unless ignore_eos) and stop_token_ids are masked while the output is too short
+  3. min_tokens: ``options.min_tokens_banned`` masked while fewer than min_tokens were sampled
      (not for rows with a grammar: the grammar alone decides where the output may end)
-  4. structured outputs: rows with a grammar keep only the tokens its bitmask allows
-  5. greedy rows: argmax; the others: temperature, top_k, top_p, min_p, then an exponential race.
+  4. structured outputs: rows with a grammar bitmask keep only the tokens it allows (bits beyond
+     the bitmask's width stay allowed, as xgrammar's all-ones allocation leaves them)
+  5. greedy rows (temperature < 1e-5): argmax; the others: temperature, then top_k, top_p,
+     min_p, then a draw.
 
-Logprobs come from the log_softmax of the RAW logits (vLLM V1's default "raw_logprobs" mode), so they do
-not depend on the penalties or on the sampling filters.
+Filtering (exact; ``_filter_candidates``, densified by ``filtered_probs`` for tests). Random rows
+are split, on the host, into three groups:
+  * ``top_k``: rows with top_k set. ``torch.topk(x, max_k)`` gives the k best candidates sorted,
+    positions ≥ the row's k are masked, and top-p / min-p run on those candidates: exact, since
+    top-p acts on the renormalised top-k distribution, which lives inside the candidates.
+  * ``sort``: rows with top_p < 1 but no top_k. Top-p needs the order of the whole vocabulary,
+    so these rows (only these) get a stable descending sort.
+  * ``plain``: neither: the whole vocabulary in vocabulary order, min_p as a threshold.
+  Top-p keeps the smallest head of most-likely tokens whose mass reaches top_p (a token is dropped
+  once the mass before it already reaches top_p; the most likely token always stays). Min-p drops
+  p < min_p * p_max; it only depends on p / p_max, so it is the same before or after renormalising.
 
-Seeded rows draw their noise from their own generator, one full-vocabulary draw per step, so a seed gives
-the same tokens whatever else shares the batch. Unseeded rows share one generator (torch's default
-generator unless one is given), the only state the sampler keeps.
+Drawing (exact): inverse-CDF on the candidate weights in float64: one uniform u per row, and the
+token is the first whose cumulative weight exceeds u * total (zero-weight tokens have empty
+intervals and are never picked; u * total is capped just below the total). One random number per
+row makes per-request seeds cheap: seeded rows get u from a counter-based hash of
+(seed, num_sampled) in plain int64 torch ops (no Python loop, CPU and GPU alike), so a seed gives
+the same tokens whatever else shares the batch and in any Sampler instance; unseeded rows take u
+from the shared generator (``generator``, else torch's default one for the device).
+
+Logprobs are vLLM V1's raw logprobs (log_softmax of the logits as given, before penalties and
+filters): the sampled token's logprob and rank (1 = best, ties share the better rank) and the
+top ``options.logprobs`` alternatives, computed on the device for the rows that asked.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-from tidal_engine.outputs import Logprob, PositionLogprobs
-from tidal_engine.sampling_params import SamplingParams
-from tidal_engine.structured import GrammarMatcher, apply_bitmasks
+from tidal_engine.executor.plan import SampledLogprobs, SamplingOptions
 
-__all__ = ["SamplingRow", "SamplerOutput", "SampledTokens", "Sampler", "make_generator", "needs_host_history"]
+__all__ = ["Sampler", "SampledTokens", "filtered_probs", "GREEDY_EPS"]
+
+GREEDY_EPS = 1e-5
+
+# Float parameter columns.
+_TEMP, _TOP_P, _MIN_P, _REP, _FREQ, _PRES = range(6)
+_NUM_F = 6
+# Int64 state columns.
+_TOP_K, _MIN_TOKENS, _SEED_LO, _SEED_HI, _NUM_SAMPLED = range(5)
+_NUM_I = 5
+
+_MASK32 = 0xFFFFFFFF
 
 
-@dataclass
-class SamplingRow:
-    """What the sampler needs to know about one request to pick its next token."""
-
-    params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    # Per-request generator, set when params.seed is set (see make_generator); None: shared generator.
-    generator: torch.Generator | None = None
-    eos_token_ids: set[int] = field(default_factory=set)
-    # Structured outputs: the sample's grammar state; the sampler reads it, the engine advances it.
-    grammar: GrammarMatcher | None = None
+# ---------------------------------------------------------------- host-side request records
 
 
 @dataclass
-class SamplerOutput:
-    token_ids: list[int]
-    logprobs: list[PositionLogprobs | None]  # None where the request asked for no logprobs
-    # Raw logprob of each sampled token, for cumulative_logprob; None for rows without logprobs.
-    sampled_logprob: list[float | None]
+class _Request:
+    slot: int
+    options: SamplingOptions
+    calls: int  # tokens sampled so far, counted on the host (len(output) + sample() calls)
+    banned: list[int]  # min_tokens_banned within the vocabulary
+    top_k: int  # vocab when off
+    greedy: bool
+    penalties: bool
+    repetition: bool
+
+    @property
+    def in_min_tokens(self) -> bool:
+        return self.calls < self.options.min_tokens and bool(self.banned) and not self.options.has_grammar
 
 
-def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
-    """A request's private generator; it lives with the request and advances one draw per step."""
-    generator = torch.Generator(device=device)
-    generator.manual_seed(seed)
-    return generator
+def _group_of(top_k: int, top_p: float, vocab: int) -> str:
+    if top_k < vocab:
+        return "top_k"
+    if top_p < 1.0:
+        return "sort"
+    return "plain"
 
 
-class _HostCopies:
-    """A few pinned host buffers, used in turn, for the sampled ids' device→host copies: a
-    step's ids may still be in flight while the next step samples (async scheduling)."""
+# ---------------------------------------------------------------- filtering (exact)
+
+
+def _filter_candidates(
+    x: torch.Tensor,
+    group: str,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    min_p: torch.Tensor | None,
+    max_k: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Filter temperature-scaled logits ``x`` [n, V] of one group of rows.
+
+    Returns unnormalised non-negative weights [n, C] over candidates and the candidates' token
+    ids [n, C] (None: the candidates are the whole vocabulary in order). ``top_k`` [n] int64
+    (group "top_k" only), ``top_p`` / ``min_p`` [n] float or None when no row of the group uses them.
+    """
+    if group == "plain":
+        weights = torch.softmax(x, dim=-1)
+        if min_p is not None:
+            threshold = weights.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+            weights = weights.masked_fill(weights < threshold, 0.0)
+        return weights, None
+
+    if group == "top_k":
+        assert top_k is not None and max_k > 0
+        values, ids = x.topk(max_k, dim=-1, sorted=True)
+        positions = torch.arange(max_k, device=x.device)
+        values = values.masked_fill(positions.unsqueeze(0) >= top_k.unsqueeze(1), float("-inf"))
+    else:  # "sort"
+        # Stable, so ties keep vocabulary order.
+        values, ids = x.sort(dim=-1, descending=True, stable=True)
+
+    weights = torch.softmax(values, dim=-1)  # sorted descending: column 0 is the max
+    if top_p is not None:
+        mass_before = weights.cumsum(dim=-1) - weights
+        drop = mass_before >= top_p.unsqueeze(1)
+        drop[:, 0] = False
+        weights = weights.masked_fill(drop, 0.0)
+    if min_p is not None:
+        # Ratios to the max do not change when renormalising after top-k / top-p.
+        weights = weights.masked_fill(weights < weights[:, :1] * min_p.unsqueeze(1), 0.0)
+    return weights, ids
+
+
+def _draw(weights: torch.Tensor, ids: torch.Tensor | None, u: torch.Tensor) -> torch.Tensor:
+    """Inverse CDF: the first candidate whose cumulative weight exceeds ``u * total`` (float64)."""
+    cdf = weights.to(torch.float64).cumsum(dim=-1)
+    total = cdf[:, -1:]
+    target = torch.minimum(u.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
+    pos = (cdf <= target).sum(dim=-1, keepdim=True)
+    pos = pos.clamp_max_(weights.shape[1] - 1)  # only reachable if a row has no weight at all
+    if ids is None:
+        return pos.squeeze(1)
+    return ids.gather(1, pos).squeeze(1)
+
+
+def filtered_probs(
+    logits: torch.Tensor,
+    temperature: Sequence[float],
+    top_k: Sequence[int],
+    top_p: Sequence[float],
+    min_p: Sequence[float],
+) -> torch.Tensor:
+    """The normalised probabilities [n, V] that ``sample()`` draws random rows from (tests only:
+    the same grouping and ``_filter_candidates``, densified)."""
+    n, vocab = logits.shape
+    x = logits.float() / torch.tensor(temperature, dtype=torch.float32, device=logits.device).unsqueeze(1)
+    eff_k = [k if 0 < k < vocab else vocab for k in top_k]
+    out = torch.zeros((n, vocab), dtype=torch.float32, device=logits.device)
+    groups: dict[str, list[int]] = {}
+    for i in range(n):
+        groups.setdefault(_group_of(eff_k[i], top_p[i], vocab), []).append(i)
+    for group, rows in groups.items():
+        idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
+        k_t = torch.tensor([eff_k[i] for i in rows], dtype=torch.long, device=logits.device)
+        p_t = torch.tensor([top_p[i] for i in rows], dtype=torch.float32, device=logits.device)
+        m_t = torch.tensor([min_p[i] for i in rows], dtype=torch.float32, device=logits.device)
+        weights, ids = _filter_candidates(
+            x[idx], group, k_t if group == "top_k" else None,
+            p_t if any(top_p[i] < 1.0 for i in rows) else None,
+            m_t if any(min_p[i] > 0.0 for i in rows) else None,
+            max(eff_k[i] for i in rows) if group == "top_k" else 0,
+        )
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        if ids is None:
+            out[idx] = weights
+        else:
+            out[idx] = torch.zeros_like(out[idx]).scatter_(1, ids, weights)
+    return out
+
+
+# ---------------------------------------------------------------- counter-based RNG
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2**32 for int64 x in [0, 2**32), without int64 overflow."""
+    lo, hi = c & 0xFFFF, c >> 16
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _MASK32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer finaliser (xorshift-multiply), a bijection on [0, 2**32)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _hash_uniform(seed_lo: torch.Tensor, seed_hi: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
+    """A float64 uniform in [0, 1) (53 bits) from (seed, counter); all int64 in [0, 2**32)."""
+    a = _mix32((counter & _MASK32) ^ 0x9E3779B9)
+    a = _mix32(a ^ seed_lo)
+    a = _mix32(a ^ seed_hi)
+    b = _mix32(a ^ 0x85EBCA6B)
+    bits = (a << 21) | (b >> 11)  # 53 bits
+    return bits.to(torch.float64) * (1.0 / (1 << 53))
+
+
+# ---------------------------------------------------------------- host copies
+
+
+class _HostBuffers:
+    """Pinned host buffers used in turn for the async device→host copies of a step's results.
+
+    A buffer is reused only once the step that used it has been read (``result()``); if that
+    step is still pending, a fresh buffer is made instead, so nothing pending is overwritten."""
 
     RING = 4
 
     def __init__(self) -> None:
-        self._buffers: list[torch.Tensor] = []
-        self._events: list[torch.cuda.Event] = []  # one per buffer: its copy is done
+        self._ids: list[torch.Tensor | None] = [None] * self.RING
+        self._lps: list[torch.Tensor | None] = [None] * self.RING
+        self._owners: list[SampledTokens | None] = [None] * self.RING
         self._turn = 0
 
-    def start(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
-        n = ids.shape[0]
-        if not self._buffers or self._buffers[0].shape[0] < n:
-            torch.cuda.synchronize(ids.device)  # old buffers may still be copied into
-            size = max(n, 2 * (self._buffers[0].shape[0] if self._buffers else 256))
-            self._buffers = [torch.empty(size, dtype=torch.long, pin_memory=True) for _ in range(self.RING)]
-            self._events = [torch.cuda.Event() for _ in range(self.RING)]
+    def take(self, owner: SampledTokens, n_ids: int, lp_shape: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         self._turn = (self._turn + 1) % self.RING
-        host = self._buffers[self._turn][:n]
-        host.copy_(ids, non_blocking=True)
-        event = self._events[self._turn]
-        event.record()
-        return host, event
+        t = self._turn
+        previous = self._owners[t]
+        fresh = previous is not None and not previous.done
+        ids = self._ids[t]
+        if fresh or ids is None or ids.shape[0] < n_ids:
+            ids = torch.empty(max(n_ids, 256), dtype=torch.long, pin_memory=True)
+            self._ids[t] = ids
+        lps = None
+        if lp_shape is not None:
+            lps = self._lps[t]
+            need = lp_shape[0] * lp_shape[1]
+            if fresh or lps is None or lps.numel() < need:
+                lps = torch.empty(max(need, 1024), dtype=torch.float32, pin_memory=True)
+                self._lps[t] = lps
+            lps = lps[:need].view(lp_shape)
+        self._owners[t] = owner
+        return ids[:n_ids], lps
+
+
+# ---------------------------------------------------------------- results
 
 
 class SampledTokens:
-    """One step's sampled ids: on the device now (the next step may read them there), on the
-    host once ``result()`` has waited for their copy, and for nothing queued after it."""
+    """One step's sampled ids: ``device_ids`` on the device at once (the next step may read
+    them there); ``result()`` waits for their copy to the host (and the logprobs')."""
 
-    def __init__(
-        self,
-        device_ids: torch.Tensor,
-        raw_logprobs: torch.Tensor | None,
-        rows: list[SamplingRow],
-        host_copies: _HostCopies | None,
-    ) -> None:
+    def __init__(self, device_ids: torch.Tensor) -> None:
         self.device_ids = device_ids
-        self._raw_logprobs = raw_logprobs
-        self._rows = rows
-        self._host: torch.Tensor | None = None
+        self.done = False
+        self._ids_src: torch.Tensor = device_ids  # host tensor after an async copy
+        self._lp_src: torch.Tensor | None = None  # [n_rows_with_logprobs, 2 + 2 * width]
+        self._lp_rows: list[int] = []  # batch positions of the rows that asked
+        self._lp_counts: list[int] = []  # how many alternatives each asked
+        self._lp_width = 0
         self._event: torch.cuda.Event | None = None
-        if device_ids.is_cuda and host_copies is not None:
-            self._host, self._event = host_copies.start(device_ids)
-        self._result: SamplerOutput | None = None
+        self._result: tuple[list[int], list[SampledLogprobs] | list[None]] | None = None
 
-    def result(self) -> SamplerOutput:
+    def result(self) -> tuple[list[int], list[SampledLogprobs] | list[None]]:
+        """(ids, logprobs): logprobs parallel to ids (None for rows that asked none), or an
+        empty list when no row asked."""
         if self._result is None:
-            if self._event is not None and self._host is not None:
+            if self._event is not None:
                 self._event.synchronize()
-                token_list = self._host.tolist()
-            else:
-                token_list = self.device_ids.tolist()
-            logprobs: list[PositionLogprobs | None] = [None] * len(token_list)
-            sampled: list[float | None] = [None] * len(token_list)
-            if self._raw_logprobs is not None:
-                sampled_lp = self._raw_logprobs.gather(1, self.device_ids.unsqueeze(1)).squeeze(1)
-                logprobs = _collect_logprobs(self._raw_logprobs, self.device_ids, sampled_lp, self._rows)
-                values = sampled_lp.tolist()
-                sampled = [values[i] if r.params.logprobs is not None else None for i, r in enumerate(self._rows)]
-            self._result = SamplerOutput(token_ids=token_list, logprobs=logprobs, sampled_logprob=sampled)
-            self._raw_logprobs = None  # free the [rows, vocab] tensor
+            ids: list[int] = self._ids_src.tolist()
+            logprobs: list = []
+            if self._lp_src is not None:
+                logprobs = [None] * len(ids)
+                values = self._lp_src.tolist()
+                w = self._lp_width
+                for row, count, v in zip(self._lp_rows, self._lp_counts, values):
+                    logprobs[row] = SampledLogprobs(
+                        sampled_logprob=v[0],
+                        rank=int(v[1]),
+                        top_ids=[int(t) for t in v[2 + w : 2 + w + count]],
+                        top_logprobs=v[2 : 2 + count],
+                    )
+            self._result = (ids, logprobs)
+            self.done = True
+            self._lp_src = None
         return self._result
 
 
+# ---------------------------------------------------------------- the sampler
+
+
 class Sampler:
-    def __init__(self, generator: torch.Generator | None = None) -> None:
-        # None: torch's default generator for the logits' device (seeded by torch.manual_seed).
+    def __init__(
+        self,
+        vocab_size: int,
+        max_num_seqs: int,
+        device: torch.device | str,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        self.vocab_size = vocab_size
+        self.max_num_seqs = max_num_seqs
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
+        # None: torch's default generator for the device (seeded by torch.manual_seed).
         self.generator = generator
-        self._host_copies = _HostCopies()
+        self._requests: dict[str, _Request] = {}
+        self._free = list(range(max_num_seqs - 1, -1, -1))  # pop() gives the lowest slot
+        self._fparams = torch.zeros((max_num_seqs, _NUM_F), dtype=torch.float32, device=self.device)
+        self._iparams = torch.zeros((max_num_seqs, _NUM_I), dtype=torch.long, device=self.device)
+        self._counts: torch.Tensor | None = None  # [slots, vocab] int32 output-token counts
+        self._prompt_mask: torch.Tensor | None = None  # [slots, vocab] bool prompt presence
+        self._pinned = self.device.type == "cuda"
+        self._host_buffers = _HostBuffers() if self._pinned else None
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        """Sample and wait for the result on the host."""
-        return self.sample(logits, rows).result()
+    # ------------------------------------------------------------ requests
 
-    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampledTokens:
-        """Queue the sampling on the logits' device and start copying the ids to the host;
-        nothing here waits for the device (``SampledTokens.result()`` does)."""
-        if logits.dim() != 2 or logits.shape[0] != len(rows):
-            raise ValueError(f"logits must be [len(rows), vocab], got {tuple(logits.shape)} for {len(rows)} rows")
-        num_rows = logits.shape[0]
+    def _to_device(self, values: list | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """A host list on the device without waiting for the device (pinned, non-blocking)."""
+        host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+        if self._pinned:
+            return host.pin_memory().to(self.device, non_blocking=True)
+        return host.to(self.device)
+
+    def add_request(
+        self,
+        req_id: str,
+        options: SamplingOptions,
+        prompt_token_ids: Sequence[int],
+        output_token_ids: Sequence[int] = (),
+    ) -> None:
+        if req_id in self._requests:
+            self.remove_request(req_id)
+        if not self._free:
+            raise RuntimeError(f"the sampler has no free slot for {req_id!r} (max_num_seqs={self.max_num_seqs})")
+        vocab = self.vocab_size
+        slot = self._free.pop()
+        top_k = options.top_k if 0 < options.top_k < vocab else vocab
+        repetition = options.repetition_penalty != 1.0
+        penalties = repetition or options.frequency_penalty != 0.0 or options.presence_penalty != 0.0
+        record = _Request(
+            slot=slot,
+            options=options,
+            calls=len(output_token_ids),
+            banned=sorted({t for t in options.min_tokens_banned if 0 <= t < vocab}),
+            top_k=top_k,
+            greedy=options.temperature < GREEDY_EPS,
+            penalties=penalties,
+            repetition=repetition,
+        )
+        seed = options.seed if options.seed is not None else 0
+        fvals = [options.temperature, options.top_p, options.min_p, options.repetition_penalty,
+                 options.frequency_penalty, options.presence_penalty]
+        ivals = [top_k, options.min_tokens, seed & _MASK32, (seed >> 32) & _MASK32, len(output_token_ids)]
+        self._fparams[slot].copy_(self._to_device(fvals, torch.float32))
+        self._iparams[slot].copy_(self._to_device(ivals, torch.long))
+        if penalties:
+            if self._counts is None:
+                self._counts = torch.zeros((self.max_num_seqs, vocab), dtype=torch.int32, device=self.device)
+            row = self._counts[slot]
+            row.zero_()
+            outputs = [t for t in output_token_ids if 0 <= t < vocab]
+            if outputs:
+                index = self._to_device(outputs, torch.long)
+                row.index_add_(0, index, torch.ones_like(index, dtype=torch.int32))
+            if repetition:
+                if self._prompt_mask is None:
+                    self._prompt_mask = torch.zeros((self.max_num_seqs, vocab), dtype=torch.bool, device=self.device)
+                mask = self._prompt_mask[slot]
+                mask.zero_()
+                prompt = [t for t in prompt_token_ids if 0 <= t < vocab]
+                if prompt:
+                    mask[self._to_device(prompt, torch.long)] = True
+        self._requests[req_id] = record
+
+    def remove_request(self, req_id: str) -> None:
+        record = self._requests.pop(req_id, None)
+        if record is not None:
+            self._free.append(record.slot)
+
+    def __contains__(self, req_id: str) -> bool:
+        return req_id in self._requests
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free)
+
+    # ------------------------------------------------------------ sampling
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        req_ids: list[str],
+        grammar_bitmasks: dict[str, bytes] | None = None,
+    ) -> SampledTokens:
+        """Queue the sampling of one token per row on the logits' device, update the rows'
+        device state, and start copying the ids to the host; nothing here waits for the device."""
+        if logits.dim() != 2 or logits.shape[0] != len(req_ids):
+            raise ValueError(f"logits must be [len(req_ids), vocab], got {tuple(logits.shape)} for {len(req_ids)} rows")
+        if logits.shape[1] != self.vocab_size:
+            raise ValueError(f"logits have {logits.shape[1]} columns, the sampler's vocabulary is {self.vocab_size}")
+        try:
+            records = [self._requests[r] for r in req_ids]
+        except KeyError as exc:
+            raise ValueError(f"unknown request {exc.args[0]!r}: add_request first") from None
+        n = len(records)
         device = logits.device
-        if num_rows == 0:
-            return SampledTokens(torch.empty(0, dtype=torch.long, device=device), None, rows, None)
-        # Plain greedy rows need nothing but the argmax: no float copy, no log-softmax.
-        grammars = [(i, r.grammar) for i, r in enumerate(rows) if r.grammar is not None]
-        needs_processing = any(_needs_penalties(r.params) for r in rows) or any(_in_min_tokens(r) for r in rows) or grammars
-        wants_logprobs = any(r.params.logprobs is not None for r in rows)
-        if not needs_processing and not wants_logprobs and all(r.params.is_greedy for r in rows):
-            return SampledTokens(logits.argmax(dim=-1), None, rows, self._host_copies)
-        raw = logits.float()
+        if n == 0:
+            return self._finish(SampledTokens(torch.empty(0, dtype=torch.long, device=device)), None)
 
-        # Copy only when something will modify the logits: the caller's tensor stays untouched.
-        processed = raw
-        if needs_processing:
-            processed = raw.clone()
-            _apply_penalties(processed, rows)
-            _apply_min_tokens(processed, rows)
-            if grammars:
-                apply_bitmasks(processed, grammars)  # type: ignore[arg-type]
+        bitmasks = grammar_bitmasks or {}
+        grammar_rows = [i for i, r in enumerate(req_ids) if r in bitmasks]
+        penalty_rows = [i for i, rec in enumerate(records) if rec.penalties]
+        min_tok_rows = [i for i, rec in enumerate(records) if rec.in_min_tokens]
+        lp_rows = [i for i, rec in enumerate(records) if rec.options.logprobs is not None]
+        random_rows = [i for i, rec in enumerate(records) if not rec.greedy]
+        for rec in records:
+            rec.calls += 1
 
-        greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
-        stochastic = [i for i, r in enumerate(rows) if not r.params.is_greedy]
-        if not stochastic:
-            token_ids = processed.argmax(dim=-1)
+        # Fast path: plain greedy rows need nothing but the argmax.
+        if not (grammar_rows or penalty_rows or min_tok_rows or lp_rows or random_rows):
+            return self._finish(SampledTokens(logits.argmax(dim=-1)), None)
+
+        # One host→device copy of every index this step needs.
+        groups: dict[str, list[int]] = {}
+        for i in random_rows:
+            groups.setdefault(_group_of(records[i].top_k, records[i].options.top_p, self.vocab_size), []).append(i)
+        mt_pairs = [(i, t) for i in min_tok_rows for t in records[i].banned]
+        seeded = [1 if records[i].options.seed is not None else 0 for i in random_rows]
+        pieces: dict[str, list[int]] = {
+            "slots": [rec.slot for rec in records],
+            "penalty": penalty_rows,
+            "mt_row": [p[0] for p in mt_pairs],
+            "mt_tok": [p[1] for p in mt_pairs],
+            "grammar": grammar_rows,
+            "random": random_rows,
+            "seeded": seeded,
+            "lp": lp_rows,
+        }
+        pos_in_random = {row: j for j, row in enumerate(random_rows)}
+        for name, rows in groups.items():
+            pieces["gr_" + name] = [pos_in_random[i] for i in rows]
+        flat: list[int] = []
+        spans: dict[str, tuple[int, int]] = {}
+        for name, values in pieces.items():
+            spans[name] = (len(flat), len(values))
+            flat.extend(values)
+        packed = self._to_device(flat, torch.long)
+
+        def part(name: str) -> torch.Tensor:
+            start, length = spans[name]
+            return packed.narrow(0, start, length)
+
+        slots = part("slots")
+        fparams = self._fparams.index_select(0, slots)
+        iparams = self._iparams.index_select(0, slots)
+
+        processing = bool(penalty_rows or mt_pairs or grammar_rows)
+        x = logits.to(torch.float32, copy=processing)
+
+        if penalty_rows:
+            self._apply_penalties(x, slots, fparams, part("penalty"), len(penalty_rows) == n,
+                                  any(records[i].repetition for i in penalty_rows))
+        if mt_pairs:
+            rows_t, toks_t = part("mt_row"), part("mt_tok")
+            active = iparams[rows_t, _NUM_SAMPLED] < iparams[rows_t, _MIN_TOKENS]
+            current = x[rows_t, toks_t]
+            x[rows_t, toks_t] = torch.where(active, torch.full_like(current, float("-inf")), current)
+        if grammar_rows:
+            self._apply_bitmasks(x, [bitmasks[req_ids[i]] for i in grammar_rows], part("grammar"), len(grammar_rows) == n)
+
+        # Greedy rows (and any others: overwritten below) take the argmax.
+        if len(random_rows) < n:
+            tokens = x.argmax(dim=-1)
         else:
-            token_ids = torch.empty(num_rows, dtype=torch.long, device=device)
-            if greedy:
-                g_idx = torch.tensor(greedy, dtype=torch.long, device=device)
-                token_ids[g_idx] = processed[g_idx].argmax(dim=-1)
-            r_idx = torch.tensor(stochastic, dtype=torch.long, device=device)
-            token_ids[r_idx] = self._sample(processed[r_idx], [rows[i] for i in stochastic])
-        # Logprobs (and cumulative_logprob) only for the rows that asked, as vLLM V1 does.
-        raw_logprobs = torch.log_softmax(raw, dim=-1) if wants_logprobs else None
-        return SampledTokens(token_ids, raw_logprobs, rows, self._host_copies)
+            tokens = torch.empty(n, dtype=torch.long, device=device)
+        if random_rows:
+            all_random = len(random_rows) == n
+            r_idx = part("random")
+            xr = x if all_random else x.index_select(0, r_idx)
+            fr = fparams if all_random else fparams.index_select(0, r_idx)
+            ir = iparams if all_random else iparams.index_select(0, r_idx)
+            xr = xr / fr[:, _TEMP].unsqueeze(1)
+            u = self._uniforms(ir, part("seeded"), seeded)
+            r_tokens = torch.empty(len(random_rows), dtype=torch.long, device=device)
+            for name, rows in groups.items():
+                whole = len(rows) == len(random_rows)
+                g = part("gr_" + name)
+                xg = xr if whole else xr.index_select(0, g)
+                fg = fr if whole else fr.index_select(0, g)
+                ig = ir if whole else ir.index_select(0, g)
+                recs = [records[i] for i in rows]
+                weights, ids = _filter_candidates(
+                    xg,
+                    name,
+                    ig[:, _TOP_K] if name == "top_k" else None,
+                    fg[:, _TOP_P] if any(rec.options.top_p < 1.0 for rec in recs) else None,
+                    fg[:, _MIN_P] if any(rec.options.min_p > 0.0 for rec in recs) else None,
+                    max(rec.top_k for rec in recs) if name == "top_k" else 0,
+                )
+                drawn = _draw(weights, ids, u if whole else u.index_select(0, g))
+                if whole:
+                    r_tokens = drawn
+                else:
+                    r_tokens.index_copy_(0, g, drawn)
+            if all_random:
+                tokens = r_tokens
+            else:
+                tokens.index_copy_(0, r_idx, r_tokens)
 
-    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """Random sampling for non-greedy rows; logits [M, V] may be modified in place (a private copy)."""
-        num_rows, vocab = logits.shape
-        device = logits.device
-        temperature = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype, device=device)
-        logits = logits / temperature.unsqueeze(1)
+        # Record the draw in the slots' state, on the device.
+        self._iparams[:, _NUM_SAMPLED].index_add_(0, slots, torch.ones_like(slots))
+        if penalty_rows and self._counts is not None:
+            p_idx = part("penalty")
+            p_slots = slots if len(penalty_rows) == n else slots.index_select(0, p_idx)
+            p_tokens = tokens if len(penalty_rows) == n else tokens.index_select(0, p_idx)
+            self._counts.index_put_((p_slots, p_tokens), torch.ones_like(p_tokens, dtype=torch.int32), accumulate=True)
 
-        top_k_list = [r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in rows]
-        top_p_list = [r.params.top_p for r in rows]
-        use_top_k = any(k < vocab for k in top_k_list)
-        use_top_p = any(p < 1.0 for p in top_p_list)
-        if use_top_k or use_top_p:
-            # One stable descending sort serves both filters; stable so ties keep vocabulary order
-            # (top_k=1 then picks the same token as argmax).
-            sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
-            if use_top_k:
-                top_k = torch.tensor(top_k_list, dtype=torch.long, device=device)
-                positions = torch.arange(vocab, device=device)
-                sorted_logits.masked_fill_(positions.unsqueeze(0) >= top_k.unsqueeze(1), float("-inf"))
-            if use_top_p:
-                top_p = torch.tensor(top_p_list, dtype=logits.dtype, device=device)
-                probs_sorted = sorted_logits.softmax(dim=-1)
-                mass_before = probs_sorted.cumsum(dim=-1) - probs_sorted
-                # Keep the smallest head whose mass reaches top_p: drop a token once the mass of the
-                # tokens before it already does. The most likely token always stays.
-                drop = mass_before >= top_p.unsqueeze(1)
-                drop[:, 0] = False
-                sorted_logits.masked_fill_(drop, float("-inf"))
-            logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+        out = SampledTokens(tokens)
+        lp = None
+        if lp_rows:
+            wanted = [min(records[i].options.logprobs or 0, self.vocab_size) for i in lp_rows]
+            lp = self._logprobs(logits, tokens, part("lp"), len(lp_rows) == n, max(wanted))
+            out._lp_rows = lp_rows
+            out._lp_counts = wanted
+            out._lp_width = max(wanted)
+        return self._finish(out, lp)
 
-        probs = logits.softmax(dim=-1)
-        min_p_list = [r.params.min_p for r in rows]
-        if any(p > 0.0 for p in min_p_list):
-            min_p = torch.tensor(min_p_list, dtype=probs.dtype, device=device)
-            threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
-            # No renormalisation needed: the exponential race is scale invariant per row.
-            probs = probs.masked_fill(probs < threshold, 0.0)
+    def _finish(self, out: SampledTokens, lp: torch.Tensor | None) -> SampledTokens:
+        """Start the async device→host copies (CUDA) or keep the tensors as they are (CPU)."""
+        if out.device_ids.is_cuda and self._host_buffers is not None and out.device_ids.numel():
+            host_ids, host_lp = self._host_buffers.take(out, out.device_ids.shape[0], tuple(lp.shape) if lp is not None else None)
+            host_ids.copy_(out.device_ids, non_blocking=True)
+            if lp is not None and host_lp is not None:
+                host_lp.copy_(lp, non_blocking=True)
+            out._ids_src = host_ids
+            out._lp_src = host_lp
+            event = torch.cuda.Event()
+            event.record()
+            out._event = event
+        else:
+            out._lp_src = lp
+        return out
 
-        noise = self._noise(probs, rows)
-        # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) picks i with probability p_i.
-        return (probs / noise).argmax(dim=-1)
+    def _uniforms(self, ir: torch.Tensor, seeded_t: torch.Tensor, seeded: list[int]) -> torch.Tensor:
+        """One float64 uniform in [0, 1) per random row: hashed for seeded rows, else shared."""
+        m = ir.shape[0]
+        hashed = None
+        if any(seeded):
+            hashed = _hash_uniform(ir[:, _SEED_LO], ir[:, _SEED_HI], ir[:, _NUM_SAMPLED])
+            if all(seeded):
+                return hashed
+        shared = torch.rand(m, dtype=torch.float64, device=ir.device, generator=self.generator)
+        if hashed is None:
+            return shared
+        return torch.where(seeded_t.bool(), hashed, shared)
 
-    def _noise(self, probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        noise = torch.empty_like(probs)
-        shared = [j for j, r in enumerate(rows) if r.generator is None]
-        if len(shared) == len(rows):
-            noise.exponential_(generator=self.generator)
-        elif shared:
-            s_idx = torch.tensor(shared, dtype=torch.long, device=probs.device)
-            noise[s_idx] = torch.empty(
-                (len(shared), probs.shape[1]), dtype=probs.dtype, device=probs.device
-            ).exponential_(generator=self.generator)
-        for j, row in enumerate(rows):
-            if row.generator is not None:
-                noise[j].exponential_(generator=row.generator)
-        # exponential_ may return exactly 0 on some backends; a zero would turn into inf and win.
-        return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+    def _apply_penalties(
+        self,
+        x: torch.Tensor,
+        slots: torch.Tensor,
+        fparams: torch.Tensor,
+        p_idx: torch.Tensor,
+        whole: bool,
+        repetition: bool,
+    ) -> None:
+        assert self._counts is not None
+        p_slots = slots if whole else slots.index_select(0, p_idx)
+        f = fparams if whole else fparams.index_select(0, p_idx)
+        sub = x if whole else x.index_select(0, p_idx)
+        counts = self._counts.index_select(0, p_slots)
+        present = counts > 0
+        if repetition:
+            assert self._prompt_mask is not None
+            seen = present | self._prompt_mask.index_select(0, p_slots)
+            r = f[:, _REP].unsqueeze(1)
+            sub = torch.where(seen, torch.where(sub > 0, sub / r, sub * r), sub)
+        sub = sub - f[:, _FREQ].unsqueeze(1) * counts.to(sub.dtype) - f[:, _PRES].unsqueeze(1) * present.to(sub.dtype)
+        if whole:
+            x.copy_(sub)
+        else:
+            x.index_copy_(0, p_idx, sub)
 
+    def _apply_bitmasks(self, x: torch.Tensor, masks: list[bytes], g_idx: torch.Tensor, whole: bool) -> None:
+        vocab = x.shape[1]
+        widths = [len(m) // 4 for m in masks]
+        width = max(widths)
+        if len(set(widths)) > 1:  # pad narrower rows with all-allowed words
+            masks = [m + b"\xff" * (4 * (width - w)) for m, w in zip(masks, widths)]
+        host = torch.frombuffer(bytearray(b"".join(masks)), dtype=torch.int32).view(len(masks), width)
+        words = self._to_device(host, torch.int32)
+        shifts = torch.arange(32, dtype=torch.int32, device=x.device)
+        allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)
+        if allowed.shape[1] >= vocab:
+            allowed = allowed[:, :vocab]
+        else:  # tokens beyond the bitmask stay allowed
+            pad = torch.ones((allowed.shape[0], vocab - allowed.shape[1]), dtype=torch.bool, device=x.device)
+            allowed = torch.cat([allowed, pad], dim=1)
+        if whole:
+            x.masked_fill_(~allowed, float("-inf"))
+        else:
+            x.index_copy_(0, g_idx, x.index_select(0, g_idx).masked_fill(~allowed, float("-inf")))
 
-def needs_host_history(row: SamplingRow) -> bool:
-    """The row's next draw reads its previous tokens on the host (penalties, a grammar) or
-    its result needs a host round trip (logprobs): no sampling a step ahead for it."""
-    return row.grammar is not None or row.params.logprobs is not None or _needs_penalties(row.params)
+    def _logprobs(
+        self,
+        logits: torch.Tensor,
+        tokens: torch.Tensor,
+        lp_idx: torch.Tensor,
+        whole: bool,
+        width: int,
+    ) -> torch.Tensor:
+        """[rows, 2 + 2 * width] float32: sampled logprob, rank, top logprobs, top ids (exact in
+        float32 below 2**24)."""
+        raw = logits if whole else logits.index_select(0, lp_idx)
+        raw = torch.log_softmax(raw.float(), dim=-1)
+        sampled_tokens = tokens if whole else tokens.index_select(0, lp_idx)
+        sampled = raw.gather(1, sampled_tokens.unsqueeze(1))
+        rank = (raw > sampled).sum(dim=-1, keepdim=True) + 1
+        parts = [sampled, rank.to(torch.float32)]
+        if width > 0:
+            top_values, top_ids = raw.topk(width, dim=-1)
+            parts += [top_values, top_ids.to(torch.float32)]
+        return torch.cat(parts, dim=1)
 
-
-def _needs_penalties(params: SamplingParams) -> bool:
-    return (
-        params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
-    )
-
-
-def _in_min_tokens(row: SamplingRow) -> bool:
-    return len(row.output_token_ids) < row.params.min_tokens
-
-
-def _token_counts(
-    token_lists: list[list[int]], vocab: int, device: torch.device
-) -> torch.Tensor:
-    """[len(token_lists), vocab] float counts of each token id, built with one scatter_add."""
-    longest = max((len(t) for t in token_lists), default=0)
-    # Pad with an extra column `vocab` that is dropped afterwards; out-of-range ids land there too.
-    padded = [[t if 0 <= t < vocab else vocab for t in ids] + [vocab] * (longest - len(ids)) for ids in token_lists]
-    counts = torch.zeros((len(token_lists), vocab + 1), dtype=torch.float32, device=device)
-    if longest:
-        index = torch.tensor(padded, dtype=torch.long, device=device)
-        counts.scatter_add_(1, index, torch.ones_like(index, dtype=torch.float32))
-    return counts[:, :vocab]
-
-
-def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
-    vocab = logits.shape[1]
-    device = logits.device
-    rep = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
-    if rep:
-        idx = torch.tensor(rep, dtype=torch.long, device=device)
-        seen = _token_counts([rows[i].prompt_token_ids + rows[i].output_token_ids for i in rep], vocab, device) > 0
-        penalty = torch.tensor(
-            [rows[i].params.repetition_penalty for i in rep], dtype=logits.dtype, device=device
-        ).unsqueeze(1)
-        sub = logits[idx]
-        penalised = torch.where(sub > 0, sub / penalty, sub * penalty)
-        logits[idx] = torch.where(seen, penalised, sub)
-
-    freq_pres = [
-        i for i, r in enumerate(rows) if r.params.frequency_penalty != 0.0 or r.params.presence_penalty != 0.0
-    ]
-    if freq_pres:
-        idx = torch.tensor(freq_pres, dtype=torch.long, device=device)
-        counts = _token_counts([rows[i].output_token_ids for i in freq_pres], vocab, device)
-        freq = torch.tensor([rows[i].params.frequency_penalty for i in freq_pres], dtype=logits.dtype, device=device)
-        pres = torch.tensor([rows[i].params.presence_penalty for i in freq_pres], dtype=logits.dtype, device=device)
-        logits[idx] = logits[idx] - freq.unsqueeze(1) * counts - pres.unsqueeze(1) * (counts > 0).to(logits.dtype)
-
-
-def _apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
-    vocab = logits.shape[1]
-    row_ids: list[int] = []
-    col_ids: list[int] = []
-    for i, row in enumerate(rows):
-        # A grammar at its end allows only EOS; masking it too would leave no token at all.
-        if not _in_min_tokens(row) or row.grammar is not None:
-            continue
-        banned = set(row.params.stop_token_ids or [])
-        # With ignore_eos, EOS does not end the request, so it need not be held back (as in vLLM).
-        if not row.params.ignore_eos:
-            banned |= row.eos_token_ids
-        for token in banned:
-            if 0 <= token < vocab:
-                row_ids.append(i)
-                col_ids.append(token)
-    if row_ids:
-        logits[row_ids, col_ids] = float("-inf")
-
-
-def _collect_logprobs(
-    raw_logprobs: torch.Tensor,
-    token_ids: torch.Tensor,
-    sampled_lp: torch.Tensor,
-    rows: list[SamplingRow],
-) -> list[PositionLogprobs | None]:
-    wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-    result: list[PositionLogprobs | None] = [None] * len(rows)
-    if not wanted:
-        return result
-    device = raw_logprobs.device
-    idx = torch.tensor(wanted, dtype=torch.long, device=device)
-    sub = raw_logprobs[idx]
-    # Rank 1 = most likely; ties share the better rank.
-    ranks = ((sub > sampled_lp[idx].unsqueeze(1)).sum(dim=-1) + 1).tolist()
-    k = max(rows[i].params.logprobs or 0 for i in wanted)
-    top_values: list[list[float]] = [[] for _ in wanted]
-    top_ids: list[list[int]] = [[] for _ in wanted]
-    if k > 0:
-        values, ids = sub.topk(min(k, sub.shape[1]), dim=-1)
-        top_values, top_ids = values.tolist(), ids.tolist()
-    sampled_ids = token_ids[idx].tolist()
-    sampled_values = sampled_lp[idx].tolist()
-    for j, i in enumerate(wanted):
-        # Sampled token first, then the top alternatives, as vLLM orders them.
-        position: PositionLogprobs = {sampled_ids[j]: Logprob(logprob=sampled_values[j], rank=ranks[j])}
-        n_top = rows[i].params.logprobs or 0
-        for r, (token, value) in enumerate(zip(top_ids[j][:n_top], top_values[j][:n_top]), start=1):
-            if token not in position:
-                position[token] = Logprob(logprob=value, rank=r)
-        result[i] = position
-    return result
