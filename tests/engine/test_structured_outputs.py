@@ -19,7 +19,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from tidal_engine import LLM, SamplingParams  # noqa: E402
 from tidal_engine.models.loader import resolve_model  # noqa: E402
-from tidal_engine.runner.sampler import Sampler, SamplingRow  # noqa: E402
+from tidal_engine.executor.plan import SamplingOptions  # noqa: E402
+from tidal_engine.runner.sampler import Sampler  # noqa: E402
 from tidal_engine.structured import (  # noqa: E402
     MAX_SCHEMA_DEPTH,
     GrammarCompilerCache,
@@ -127,23 +128,26 @@ def test_sampler_masks_only_grammar_rows(grammars: GrammarCompilerCache, tokeniz
     torch.manual_seed(0)
     logits = torch.randn(3, vocab)
     logits[:, vocab - 1] = 100.0  # a padded id the model prefers: never allowed by a grammar
-    matcher = GrammarMatcher(grammars.compile(StructuredOutputsParams(choice=["yes", "no"])), vocab)
-    rows = [
-        SamplingRow(params=SamplingParams(temperature=0, logprobs=0), prompt_token_ids=[1], output_token_ids=[]),
-        SamplingRow(params=SamplingParams(temperature=0, logprobs=0), prompt_token_ids=[1], output_token_ids=[],
-                    grammar=matcher),
-        SamplingRow(params=SamplingParams(temperature=1.0, seed=3), prompt_token_ids=[1], output_token_ids=[],
-                    grammar=GrammarMatcher(grammars.compile(StructuredOutputsParams(choice=["yes", "no"])), vocab)),
-    ]
+    choice = StructuredOutputsParams(choice=["yes", "no"])
+    matchers = {
+        "greedy": GrammarMatcher(grammars.compile(choice), vocab),
+        "seeded": GrammarMatcher(grammars.compile(choice), vocab),
+    }
+    sampler = Sampler(vocab, 4, torch.device("cpu"))
+    sampler.add_request("free", SamplingOptions(temperature=0, logprobs=0), [1])
+    sampler.add_request("greedy", SamplingOptions(temperature=0, logprobs=0, has_grammar=True), [1])
+    sampler.add_request("seeded", SamplingOptions(temperature=1.0, seed=3, has_grammar=True), [1])
     original = logits.clone()
-    out = Sampler()(logits, rows)
+    bitmasks = {name: matcher.bitmask_bytes() for name, matcher in matchers.items()}
+    token_ids, logprobs = sampler.sample(logits, ["free", "greedy", "seeded"], bitmasks).result()
     assert torch.equal(logits, original)
-    assert out.token_ids[0] == vocab - 1
-    for token in out.token_ids[1:]:  # any token that starts a choice ("y", "ye", "yes", ...)
+    assert token_ids[0] == vocab - 1
+    for token in token_ids[1:]:  # any token that starts a choice ("y", "ye", "yes", ...)
         piece = tokenizer.decode([token])
         assert piece and ("yes".startswith(piece) or "no".startswith(piece)), piece
-    raw = torch.log_softmax(original[1], dim=-1)[out.token_ids[1]].item()
-    assert out.sampled_logprob[1] == pytest.approx(raw)
+    raw = torch.log_softmax(original[1], dim=-1)[token_ids[1]].item()
+    assert logprobs[1] is not None and logprobs[1].sampled_logprob == pytest.approx(raw, abs=1e-5)
+    assert logprobs[2] is None
 
 
 def test_torch_bitmask_path_matches_xgrammar(grammars: GrammarCompilerCache) -> None:
