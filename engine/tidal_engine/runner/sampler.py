@@ -109,19 +109,24 @@ def _group_of(top_k: int, top_p: float, vocab: int) -> str:
 def _filter_candidates(
     x: torch.Tensor,
     group: str,
+    temperature: torch.Tensor,
     top_k: torch.Tensor | None,
     top_p: torch.Tensor | None,
     min_p: torch.Tensor | None,
     max_k: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Filter temperature-scaled logits ``x`` [n, V] of one group of rows.
+    """Filter one group of rows: logits ``x`` [n, V] (any float dtype, not yet divided by the
+    temperature), ``temperature`` [n] float32 (> 0).
 
-    Returns unnormalised non-negative weights [n, C] over candidates and the candidates' token
-    ids [n, C] (None: the candidates are the whole vocabulary in order). ``top_k`` [n] int64
+    Returns unnormalised non-negative float32 weights [n, C] over candidates and the candidates'
+    token ids [n, C] (None: the candidates are the whole vocabulary in order). ``top_k`` [n] int64
     (group "top_k" only), ``top_p`` / ``min_p`` [n] float or None when no row of the group uses them.
+    The temperature is applied after choosing the candidates (it keeps the order), so the top-k
+    path scales only k values per row.
     """
+    inv_t = temperature.reciprocal().unsqueeze(1)
     if group == "plain":
-        weights = torch.softmax(x, dim=-1)
+        weights = torch.softmax(x.float() * inv_t, dim=-1)
         if min_p is not None:
             threshold = weights.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
             weights = weights.masked_fill(weights < threshold, 0.0)
@@ -130,11 +135,13 @@ def _filter_candidates(
     if group == "top_k":
         assert top_k is not None and max_k > 0
         values, ids = x.topk(max_k, dim=-1, sorted=True)
+        values = values.float() * inv_t
         positions = torch.arange(max_k, device=x.device)
         values = values.masked_fill(positions.unsqueeze(0) >= top_k.unsqueeze(1), float("-inf"))
     else:  # "sort"
         # Stable, so ties keep vocabulary order.
         values, ids = x.sort(dim=-1, descending=True, stable=True)
+        values = values.float() * inv_t
 
     weights = torch.softmax(values, dim=-1)  # sorted descending: column 0 is the max
     if top_p is not None:
@@ -170,7 +177,7 @@ def filtered_probs(
     """The normalised probabilities [n, V] that ``sample()`` draws random rows from (tests only:
     the same grouping and ``_filter_candidates``, densified)."""
     n, vocab = logits.shape
-    x = logits.float() / torch.tensor(temperature, dtype=torch.float32, device=logits.device).unsqueeze(1)
+    x = logits.float()
     eff_k = [k if 0 < k < vocab else vocab for k in top_k]
     out = torch.zeros((n, vocab), dtype=torch.float32, device=logits.device)
     groups: dict[str, list[int]] = {}
@@ -181,8 +188,9 @@ def filtered_probs(
         k_t = torch.tensor([eff_k[i] for i in rows], dtype=torch.long, device=logits.device)
         p_t = torch.tensor([top_p[i] for i in rows], dtype=torch.float32, device=logits.device)
         m_t = torch.tensor([min_p[i] for i in rows], dtype=torch.float32, device=logits.device)
+        t_t = torch.tensor([temperature[i] for i in rows], dtype=torch.float32, device=logits.device)
         weights, ids = _filter_candidates(
-            x[idx], group, k_t if group == "top_k" else None,
+            x[idx], group, t_t, k_t if group == "top_k" else None,
             p_t if any(top_p[i] < 1.0 for i in rows) else None,
             m_t if any(min_p[i] > 0.0 for i in rows) else None,
             max(eff_k[i] for i in rows) if group == "top_k" else 0,
@@ -323,10 +331,11 @@ class Sampler:
         self.device = device
         # None: torch's default generator for the device (seeded by torch.manual_seed).
         self.generator = generator
+        self.num_slots = max(1, max_num_seqs)  # grows if more requests than this are ever known at once
         self._requests: dict[str, _Request] = {}
-        self._free = list(range(max_num_seqs - 1, -1, -1))  # pop() gives the lowest slot
-        self._fparams = torch.zeros((max_num_seqs, _NUM_F), dtype=torch.float32, device=self.device)
-        self._iparams = torch.zeros((max_num_seqs, _NUM_I), dtype=torch.long, device=self.device)
+        self._free = list(range(self.num_slots - 1, -1, -1))  # pop() gives the lowest slot
+        self._fparams = torch.zeros((self.num_slots, _NUM_F), dtype=torch.float32, device=self.device)
+        self._iparams = torch.zeros((self.num_slots, _NUM_I), dtype=torch.long, device=self.device)
         self._counts: torch.Tensor | None = None  # [slots, vocab] int32 output-token counts
         self._prompt_mask: torch.Tensor | None = None  # [slots, vocab] bool prompt presence
         self._pinned = self.device.type == "cuda"
@@ -336,9 +345,12 @@ class Sampler:
 
     def _to_device(self, values: list | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """A host list on the device without waiting for the device (pinned, non-blocking)."""
-        host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+        if isinstance(values, torch.Tensor):
+            host = values.pin_memory() if self._pinned else values
+        else:
+            host = torch.tensor(values, dtype=dtype, pin_memory=self._pinned)
         if self._pinned:
-            return host.pin_memory().to(self.device, non_blocking=True)
+            return host.to(self.device, non_blocking=True)
         return host.to(self.device)
 
     def add_request(
@@ -351,7 +363,9 @@ class Sampler:
         if req_id in self._requests:
             self.remove_request(req_id)
         if not self._free:
-            raise RuntimeError(f"the sampler has no free slot for {req_id!r} (max_num_seqs={self.max_num_seqs})")
+            # The worker may briefly know more requests than max_num_seqs (finished ones are
+            # forgotten a step later): grow, keeping every slot's state (rare; no host sync).
+            self._grow(max(self.num_slots + 1, self.num_slots * 5 // 4))
         vocab = self.vocab_size
         slot = self._free.pop()
         top_k = options.top_k if 0 < options.top_k < vocab else vocab
@@ -375,7 +389,7 @@ class Sampler:
         self._iparams[slot].copy_(self._to_device(ivals, torch.long))
         if penalties:
             if self._counts is None:
-                self._counts = torch.zeros((self.max_num_seqs, vocab), dtype=torch.int32, device=self.device)
+                self._counts = torch.zeros((self.num_slots, vocab), dtype=torch.int32, device=self.device)
             row = self._counts[slot]
             row.zero_()
             outputs = [t for t in output_token_ids if 0 <= t < vocab]
@@ -384,13 +398,28 @@ class Sampler:
                 row.index_add_(0, index, torch.ones_like(index, dtype=torch.int32))
             if repetition:
                 if self._prompt_mask is None:
-                    self._prompt_mask = torch.zeros((self.max_num_seqs, vocab), dtype=torch.bool, device=self.device)
+                    self._prompt_mask = torch.zeros((self.num_slots, vocab), dtype=torch.bool, device=self.device)
                 mask = self._prompt_mask[slot]
                 mask.zero_()
                 prompt = [t for t in prompt_token_ids if 0 <= t < vocab]
                 if prompt:
                     mask[self._to_device(prompt, torch.long)] = True
         self._requests[req_id] = record
+
+    def _grow(self, num_slots: int) -> None:
+        old = self.num_slots
+
+        def grown(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            return torch.cat([t, t.new_zeros((num_slots - old, *t.shape[1:]))])
+
+        self._fparams = grown(self._fparams)  # type: ignore[assignment]
+        self._iparams = grown(self._iparams)  # type: ignore[assignment]
+        self._counts = grown(self._counts)
+        self._prompt_mask = grown(self._prompt_mask)
+        self._free[:0] = list(range(num_slots - 1, old - 1, -1))
+        self.num_slots = num_slots
 
     def remove_request(self, req_id: str) -> None:
         record = self._requests.pop(req_id, None)
@@ -474,8 +503,10 @@ class Sampler:
         fparams = self._fparams.index_select(0, slots)
         iparams = self._iparams.index_select(0, slots)
 
+        # A float32 copy only when something modifies the logits: the caller's tensor stays
+        # untouched, and the top-k / sort paths read bf16 logits directly otherwise.
         processing = bool(penalty_rows or mt_pairs or grammar_rows)
-        x = logits.to(torch.float32, copy=processing)
+        x = logits.to(torch.float32, copy=True) if processing else logits
 
         if penalty_rows:
             self._apply_penalties(x, slots, fparams, part("penalty"), len(penalty_rows) == n,
@@ -499,7 +530,6 @@ class Sampler:
             xr = x if all_random else x.index_select(0, r_idx)
             fr = fparams if all_random else fparams.index_select(0, r_idx)
             ir = iparams if all_random else iparams.index_select(0, r_idx)
-            xr = xr / fr[:, _TEMP].unsqueeze(1)
             u = self._uniforms(ir, part("seeded"), seeded)
             r_tokens = torch.empty(len(random_rows), dtype=torch.long, device=device)
             for name, rows in groups.items():
@@ -512,6 +542,7 @@ class Sampler:
                 weights, ids = _filter_candidates(
                     xg,
                     name,
+                    fg[:, _TEMP],
                     ig[:, _TOP_K] if name == "top_k" else None,
                     fg[:, _TOP_P] if any(rec.options.top_p < 1.0 for rec in recs) else None,
                     fg[:, _MIN_P] if any(rec.options.min_p > 0.0 for rec in recs) else None,
