@@ -430,6 +430,22 @@ def test_slots_grow_keeping_state() -> None:
     assert sampler.sample(logits, ["a"]).result()[0] == [0]  # 3 and 5 both penalised now
 
 
+def test_bf16_logits() -> None:
+    torch.manual_seed(6)
+    vocab = 300
+    logits = (torch.randn(4, vocab) * 3).bfloat16()
+    sampler = make(vocab)
+    sampler.allocate_penalty_state()
+    opts = [O(temperature=0.0), O(temperature=0.8, top_k=5, top_p=0.9), O(top_p=0.5, seed=3), O(presence_penalty=0.5)]
+    for i, o in enumerate(opts):
+        sampler.add_request(str(i), o, [1])
+    for _ in range(3):
+        ids, _ = sampler.sample(logits, ["0", "1", "2", "3"]).result()
+        assert ids[0] == logits[0].float().argmax().item()
+        assert logits[1, ids[1]] >= logits[1].float().topk(5).values[-1]
+        assert filtered_probs(logits[2:3], [1.0], [0], [0.5], [0.0])[0, ids[2]] > 0
+
+
 def test_empty_batch() -> None:
     sampler = make(10)
     out = sampler.sample(torch.empty(0, 10), [])

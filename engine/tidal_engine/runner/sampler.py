@@ -2,7 +2,8 @@
 
 A worker's model runner registers each request once (``add_request``: its ``SamplingOptions``,
 prompt and any tokens sampled before), then calls ``sample(logits, req_ids)`` every step. The
-sampler owns one *slot* per request (``max_num_seqs`` slots, a free list). Each slot's sampling
+sampler owns one *slot* per request (``max_num_seqs`` slots, a free list; the slot tensors grow
+if more requests are ever known at once, e.g. finished ones not yet forgotten). Each slot's sampling
 parameters live in two small device tensors (float and int64 columns); the state that depends on
 the sampled tokens is updated ON THE DEVICE right after each draw:
 
@@ -34,7 +35,9 @@ are split, on the host, into three groups:
     positions ≥ the row's k are masked, and top-p / min-p run on those candidates: exact, since
     top-p acts on the renormalised top-k distribution, which lives inside the candidates.
   * ``sort``: rows with top_p < 1 but no top_k. Top-p needs the order of the whole vocabulary,
-    so these rows (only these) get a stable descending sort.
+    so these rows (only these) get a stable descending sort. (A sync-free threshold search would
+    need ~30 masked passes over the vocabulary in torch ops, no cheaper than one segmented sort;
+    a fused kernel could beat it later, ``filtered_probs`` is the oracle to check it against.)
   * ``plain``: neither: the whole vocabulary in vocabulary order, min_p as a threshold.
   Top-p keeps the smallest head of most-likely tokens whose mass reaches top_p (a token is dropped
   once the mass before it already reaches top_p; the most likely token always stays). Min-p drops
@@ -420,6 +423,14 @@ class Sampler:
         self._prompt_mask = grown(self._prompt_mask)
         self._free[:0] = list(range(num_slots - 1, old - 1, -1))
         self.num_slots = num_slots
+
+    def allocate_penalty_state(self) -> None:
+        """Allocate the [slots, vocab] output counts and prompt mask now (else lazily, with the
+        first request that has a penalty): lets a runner include them in its memory profile."""
+        if self._counts is None:
+            self._counts = torch.zeros((self.num_slots, self.vocab_size), dtype=torch.int32, device=self.device)
+        if self._prompt_mask is None:
+            self._prompt_mask = torch.zeros((self.num_slots, self.vocab_size), dtype=torch.bool, device=self.device)
 
     def remove_request(self, req_id: str) -> None:
         record = self._requests.pop(req_id, None)
