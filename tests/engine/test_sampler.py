@@ -446,6 +446,31 @@ def test_bf16_logits() -> None:
         assert filtered_probs(logits[2:3], [1.0], [0], [0.5], [0.0])[0, ids[2]] > 0
 
 
+def test_sample_reads_nothing_back_from_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """sample() never converts a tensor to a Python value (on CUDA that would wait for the device)."""
+    vocab = 64
+    sampler = make(vocab)
+    opts = [O(temperature=0.0, logprobs=2), O(top_k=5, top_p=0.8, min_p=0.1, seed=1),
+            O(top_p=0.7, repetition_penalty=1.2, frequency_penalty=0.1, presence_penalty=0.1),
+            O(min_p=0.2, min_tokens=3, min_tokens_banned=(1,)), O(temperature=0.0, has_grammar=True)]
+    names = [str(i) for i in range(len(opts))]
+    for name, o in zip(names, opts):
+        sampler.add_request(name, o, [1, 2], [3])
+    logits = torch.randn(len(opts), vocab)
+    masks = {"4": bitmask_bytes([5, 6], vocab)}
+
+    def forbidden(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise AssertionError("a device value was read on the host inside sample()")
+
+    for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero"):
+        monkeypatch.setattr(torch.Tensor, name, forbidden)
+    out = [sampler.sample(logits, names, masks) for _ in range(3)]
+    monkeypatch.undo()
+    for step in out:
+        ids, lps = step.result()
+        assert ids[4] in (5, 6) and lps[0] is not None
+
+
 def test_empty_batch() -> None:
     sampler = make(10)
     out = sampler.sample(torch.empty(0, 10), [])

@@ -406,7 +406,7 @@ class Sampler:
                 mask.zero_()
                 prompt = [t for t in prompt_token_ids if 0 <= t < vocab]
                 if prompt:
-                    mask[self._to_device(prompt, torch.long)] = True
+                    mask.index_fill_(0, self._to_device(prompt, torch.long), True)
         self._requests[req_id] = record
 
     def _grow(self, num_slots: int) -> None:
@@ -597,7 +597,7 @@ class Sampler:
             out._ids_src = host_ids
             out._lp_src = host_lp
             event = torch.cuda.Event()
-            event.record()
+            event.record(torch.cuda.current_stream(out.device_ids.device))
             out._event = event
         else:
             out._lp_src = lp
