@@ -6,6 +6,7 @@ Usage (on the GPU machine, from the repository root):
         --shape qwen3-0.6b --suite tidal --out results/tidal-0.6b.json
     ... --suite hf   (the transformers baseline, same shapes and weights)
     ... --suite smoke (a quick single-stream check: graphs vs eager)
+    ... --suite sampled (offline sampled throughput, see below)
 
 The model is never downloaded: ``make_model_folder`` writes an HF folder (config.json of
 the real Qwen3 shape, random bf16 safetensors of small magnitude, a word-level tokenizer
@@ -24,6 +25,10 @@ Benchmarks (suite tidal):
                      prompt again), max_tokens=1, median of 3.
   sleep              device memory before/after sleep level 1 and 2, and wake-up time.
   startup            LLM() construction (load, KV profile, graph capture) seconds.
+Benchmarks (suite sampled: the issue-13 offline sampled workloads, t=0.8, top_p=0.95, top_k=50):
+  throughput_fixed_sampled   256 requests of 256 -> 128, all submitted at once.
+  throughput_long_sampled    256 requests of 32 -> 512, all submitted at once.
+  throughput_fixed_greedy    the greedy 256 x (256 -> 128) again, same LLM: the reference.
 TIDAL_BENCH_LLM_OPTS (JSON) adds engine options to every LLM of the run.
 Hardware limit: an HBM read rate of 4.16 TB/s (measured on this machine type, see
 docs/performance.md) and a bf16 matrix rate of 790 TFLOP/s.
@@ -333,12 +338,15 @@ def bench_single_stream(llm: Any, shape: str, reps: int = 3, counter: StepCounte
     }
 
 
-def bench_throughput(llm: Any, shape: str, prompts: list[list[int]], outs: list[int], counter: StepCounter) -> dict[str, Any]:
+def bench_throughput(llm: Any, shape: str, prompts: list[list[int]], outs: list[int], counter: StepCounter,
+                     sampling: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``sampling``: SamplingParams options (default greedy); the warm-up uses the same ones."""
     from tidal_engine import SamplingParams
 
     vocab = SHAPES[shape]["vocab_size"]
-    llm.generate(rand_prompts(8, [64] * 8, 5, vocab), greedy(8))  # warm-up
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in outs]
+    opts = dict(sampling or {"temperature": 0.0})
+    llm.generate(rand_prompts(8, [64] * 8, 5, vocab), SamplingParams(max_tokens=8, ignore_eos=True, **opts))  # warm-up
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, **opts) for n in outs]
     counter.reset()
     sync()
     t0 = time.perf_counter()
@@ -354,7 +362,7 @@ def bench_throughput(llm: Any, shape: str, prompts: list[list[int]], outs: list[
     stats = llm.engine.get_stats()
     return {
         "requests": len(prompts), "input_tokens": n_in, "output_tokens": n_out, "elapsed_s": elapsed,
-        "output_tok_s": n_out / elapsed, "total_tok_s": (n_in + n_out) / elapsed,
+        "output_tok_s": n_out / elapsed, "total_tok_s": (n_in + n_out) / elapsed, "sampling": opts,
         **counter.summary(elapsed),
         "max_running": stats.max_num_running_seen, "preemptions": stats.num_preemptions,
         "bytes_moved_estimate": weight_bytes + kv_bytes,
@@ -550,6 +558,33 @@ def suite_tidal(shape: str, folder: Path, results: dict[str, Any], save: Callabl
     run_guarded(results, "startup_warm", lambda: {"llm_construct_s": _construct_only(folder)}, save)
 
 
+SAMPLED = {"temperature": 0.8, "top_p": 0.95, "top_k": 50}  # the issue's sampled workloads
+
+
+def suite_sampled(shape: str, folder: Path, results: dict[str, Any], save: Callable[[], None]) -> None:
+    """Offline sampled throughput (issue 13): 256 x (256 -> 128) and 256 x (32 -> 512) at t=0.8,
+    top_p=0.95, top_k=50 on fresh seeded random prompts, and the greedy 256 x (256 -> 128) on the
+    same LLM as the reference. --skip takes their names."""
+    vocab = SHAPES[shape]["vocab_size"]
+    llm, startup = make_llm(folder)
+    results["startup"] = {"llm_construct_s_first": startup, "kv_blocks": llm.engine.runner.num_blocks,
+                          "llm_options_from_env": os.environ.get("TIDAL_BENCH_LLM_OPTS") or None}
+    results["sampling"] = SAMPLED
+    save()
+    counter = StepCounter(llm.engine.runner)
+    fixed = rand_prompts(256, [256] * 256, 11, vocab)
+    run_guarded(results, "throughput_fixed_sampled",
+                lambda: bench_throughput(llm, shape, fixed, [128] * 256, counter, SAMPLED), save)
+    long_out = rand_prompts(256, [32] * 256, 12, vocab)
+    run_guarded(results, "throughput_long_sampled",
+                lambda: bench_throughput(llm, shape, long_out, [512] * 256, counter, SAMPLED), save)
+    fixed_greedy = rand_prompts(256, [256] * 256, 13, vocab)
+    run_guarded(results, "throughput_fixed_greedy",
+                lambda: bench_throughput(llm, shape, fixed_greedy, [128] * 256, counter), save)
+    del llm, counter
+    free_cuda()
+
+
 def _construct_only(folder: Path) -> float:
     llm, t = make_llm(folder)
     del llm
@@ -629,7 +664,7 @@ def git_commit() -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", choices=sorted(SHAPES), required=True)
-    ap.add_argument("--suite", choices=["tidal", "hf", "smoke"], required=True)
+    ap.add_argument("--suite", choices=["tidal", "hf", "smoke", "sampled"], required=True)
     ap.add_argument("--hf-parts", default="eager,static,batch")
     ap.add_argument("--skip", default="", help="comma-separated tidal benchmarks to skip")
     ap.add_argument("--models", default="/tmp/tidal-bench-models")
@@ -665,6 +700,8 @@ def main() -> None:
     save()
     if args.suite in ("tidal", "smoke"):
         suite_tidal(args.shape, folder, results, save, smoke=args.suite == "smoke")
+    elif args.suite == "sampled":
+        suite_sampled(args.shape, folder, results, save)
     else:
         suite_hf(args.shape, folder, results, save, args.hf_parts.split(","))
     save()
