@@ -147,8 +147,9 @@ def test_seeded_sampling_and_n_greater_than_one(model_dir: Path) -> None:
     assert run(True) == run(False)
 
 
-def test_rows_that_need_their_tokens_on_the_host_run_synchronously(model_dir: Path) -> None:
-    # Penalties read the output tokens, logprobs come back every step: no running ahead.
+def test_penalties_and_logprobs_keep_async_scheduling(model_dir: Path) -> None:
+    # The sampler counts output tokens on the device and logprobs come back with the ids one
+    # step later, so these rows run ahead too, with the synchronous engine's results.
     params = [
         SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, repetition_penalty=1.3, frequency_penalty=0.5),
         SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2),
@@ -161,7 +162,7 @@ def test_rows_that_need_their_tokens_on_the_host_run_synchronously(model_dir: Pa
     assert got[1].outputs[0].logprobs == expected[1].outputs[0].logprobs
     assert got[1].outputs[0].cumulative_logprob == pytest.approx(expected[1].outputs[0].cumulative_logprob)
     assert got[0].outputs[0].cumulative_logprob is None  # no logprobs asked: none computed (vLLM V1)
-    assert log.fed_steps == 0
+    assert log.fed_steps > 0
 
 
 def test_abort_while_a_step_is_in_flight(model_dir: Path) -> None:

@@ -66,8 +66,8 @@ def test_bad_command_lines_exit_nonzero_with_a_message(
     argv: list[str], message: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Nothing may get as far as loading a model.
-    monkeypatch.setattr("tidal_engine.engine.async_engine.AsyncLLMEngine.from_config",
-                        lambda config: pytest.fail("should not load"))
+    monkeypatch.setattr("tidal_engine.server.launcher.serve",
+                        lambda *args, **kwargs: pytest.fail("should not start the engine"))
     assert run_main(argv) == 2
     assert message in capsys.readouterr().err
 
@@ -82,18 +82,11 @@ def test_supported_values_of_unsupported_features_are_accepted() -> None:
 def test_serve_maps_flags_to_config_and_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     captured: dict[str, Any] = {}
 
-    class FakeAsyncEngine:
-        pass
+    def fake_serve(config: Any, settings: Any, api_server_count: int) -> int:
+        captured.update(config=config, settings=settings, api_server_count=api_server_count)
+        return 0
 
-    def fake_from_config(config: Any) -> FakeAsyncEngine:
-        captured["config"] = config
-        return FakeAsyncEngine()
-
-    def fake_run_server(engine: Any, settings: Any) -> None:
-        captured["settings"] = settings
-
-    monkeypatch.setattr("tidal_engine.engine.async_engine.AsyncLLMEngine.from_config", fake_from_config)
-    monkeypatch.setattr("tidal_engine.server.app.run_server", fake_run_server)
+    monkeypatch.setattr("tidal_engine.server.launcher.serve", fake_serve)
     monkeypatch.setenv("TIDAL_API_KEY", "from-env")
     code = run_main([
         "serve", "smollm2-135m", "--host", "0.0.0.0", "--port", "9000", "--served-model-name", "smol", "alias",
@@ -102,9 +95,10 @@ def test_serve_maps_flags_to_config_and_settings(monkeypatch: pytest.MonkeyPatch
         "--kv-cache-memory-bytes", "2Gi", "--num-gpu-blocks-override", "100", "--no-enable-prefix-caching",
         "--no-enable-chunked-prefill", "--enable-sleep-mode", "--enforce-eager", "--no-async-scheduling", "--allowed-origins",
         "https://a.example", "--no-protect-metrics", "--disable-log-requests", "--max-request-body-bytes", "1M",
-        "--shutdown-timeout", "5",
+        "--shutdown-timeout", "5", "--api-server-count", "3", "--distributed-executor-backend", "mp",
     ])
     assert code == 0
+    assert captured["api_server_count"] == 3 and captured["config"].distributed_executor_backend == "mp"
     config, settings = captured["config"], captured["settings"]
     assert (config.model, config.served_model_name, config.seed, config.dtype, config.device) == (
         "smollm2-135m", "smol", 7, "bfloat16", "cpu")
@@ -124,8 +118,7 @@ def test_serve_maps_flags_to_config_and_settings(monkeypatch: pytest.MonkeyPatch
 
 def test_api_key_flag_beats_env_and_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     captured: dict[str, Any] = {}
-    monkeypatch.setattr("tidal_engine.engine.async_engine.AsyncLLMEngine.from_config", lambda config: object())
-    monkeypatch.setattr("tidal_engine.server.app.run_server", lambda e, s: captured.setdefault("s", s))
+    monkeypatch.setattr("tidal_engine.server.launcher.serve", lambda c, s, n: captured.setdefault("s", s) and 0)
     monkeypatch.setenv("TIDAL_API_KEY", "from-env")
     assert run_main(["serve", "m", "--api-key", "from-flag"]) == 0
     settings = captured["s"]

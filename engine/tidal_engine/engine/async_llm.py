@@ -288,8 +288,10 @@ class AsyncLLM:
             raise EngineDeadError("the engine client is not started")
         if self._refusal is EngineShuttingDownError:
             raise EngineShuttingDownError("the server is shutting down")
-        if self._refusal is not None or self._snapshot.sleep_level:
+        if self._refusal is not None:
             raise EngineSleepingError("the engine is sleeping")
+        # A sleeping core refuses adds itself: another API server may have just woken it,
+        # and this server's snapshot may be a few milliseconds old.
 
     def _check_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:

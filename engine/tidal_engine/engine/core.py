@@ -160,6 +160,10 @@ class EngineCore:
         self.async_scheduling = config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
         self._in_flight: _Step | None = None
         self.lora_manager: LoRAManager | None = getattr(self.executor, "lora_manager", None)
+        if config.enable_lora and self.lora_manager is None:
+            self.executor.shutdown()
+            raise ValueError("LoRA runs with the uni executor only for now: drop --distributed-executor-backend mp "
+                             "or --enable-lora")
         for lora_name, lora_path in (config.lora_modules or {}).items():
             self.add_lora(self.read_lora(lora_name, lora_path, at_startup=True))
         logger.info(
