@@ -245,16 +245,16 @@ class StepCounter:
         sync()
         return sum(a.elapsed_time(b) for a, b in self.replay_events) / 1e3
 
-    def __call__(self, output: Any, rows: Any, feeds: Any = None, previous: Any = None) -> Any:
+    def __call__(self, step: Any, *args: Any, **kwargs: Any) -> Any:
+        """Wraps ModelRunner.execute(step: StepInput, sample_req_ids, ...)."""
         self.steps += 1
-        decode = all(c.num_new_tokens == 1 for c in output.chunks)
+        decode = bool((step.q_lens == 1).all())
         if decode:
             self.decode_steps += 1
-        for c in output.chunks:
-            self.context_tokens += c.request.num_computed_tokens + c.num_new_tokens
-            self.tokens += c.num_new_tokens
+        self.context_tokens += int((step.starts + step.q_lens).sum())
+        self.tokens += int(step.q_lens.sum())
         t0 = time.perf_counter()
-        out = self.inner(output, rows, feeds, previous)
+        out = self.inner(step, *args, **kwargs)
         dt = time.perf_counter() - t0
         self.execute_s += dt
         if decode:
