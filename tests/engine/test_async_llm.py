@@ -100,11 +100,14 @@ async def test_two_api_servers_share_one_core(split: Split) -> None:
 
 
 async def test_outputs_are_cumulative_and_n_samples_fan_out(split: Split) -> None:
+    # Samples 1 and 2 start a step after sample 0 (they share its cached prompt) and end
+    # together, in one step: both final deltas must reach the API server.
     seen: list[int] = []
-    async for output in split.clients[0].generate(PROMPT, SamplingParams(n=2, temperature=0, max_tokens=6, ignore_eos=True), "n2"):
+    async for output in split.clients[0].generate(PROMPT, SamplingParams(n=3, temperature=0, max_tokens=6, ignore_eos=True), "n3"):
         seen.append(len(output.outputs[0].token_ids))
     assert seen == sorted(seen) and seen[-1] == 6
-    assert [o.token_ids for o in output.outputs] == [expected_tokens(PROMPT, 6)] * 2
+    assert [o.token_ids for o in output.outputs] == [expected_tokens(PROMPT, 6)] * 3
+    assert [o.finish_reason for o in output.outputs] == ["length"] * 3
 
 
 async def test_bad_input_is_refused_before_streaming(split: Split) -> None:

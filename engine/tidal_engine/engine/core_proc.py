@@ -174,13 +174,16 @@ class EngineCoreProc:
         return request_id in self.core._parents  # noqa: SLF001 - the proc is the core's own loop
 
     def _route(self, deltas: list[SampleDelta]) -> None:
+        ended: set[str] = set()
         for delta in deltas:
             client = self.client_of.get(delta.request_id)
             if client is None:
                 continue
             self._outputs(client).deltas.append(delta)
             if delta.finish_reason is not None and not self._known(delta.request_id):
-                del self.client_of[delta.request_id]
+                ended.add(delta.request_id)  # after the loop: its other samples may end in this step too
+        for request_id in ended:
+            del self.client_of[request_id]
 
     def _abort_all(self) -> None:
         for request_id, client in list(self.client_of.items()):
