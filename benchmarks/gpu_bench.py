@@ -581,6 +581,11 @@ def suite_sampled(shape: str, folder: Path, results: dict[str, Any], save: Calla
     fixed_greedy = rand_prompts(256, [256] * 256, 13, vocab)
     run_guarded(results, "throughput_fixed_greedy",
                 lambda: bench_throughput(llm, shape, fixed_greedy, [128] * 256, counter), save)
+    long_greedy = rand_prompts(256, [32] * 256, 14, vocab)
+    run_guarded(results, "throughput_long_greedy",
+                lambda: bench_throughput(llm, shape, long_greedy, [512] * 256, counter), save)
+    # The offline single stream (greedy, 128 -> 256) on the same engine: the regression check.
+    run_guarded(results, "single_stream", lambda: bench_single_stream(llm, shape, counter=counter), save)
     del llm, counter
     free_cuda()
 
