@@ -17,6 +17,7 @@ Steps with a grammar row (the next bitmask needs the token) or a LoRA row are sy
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 import threading
@@ -40,7 +41,10 @@ from tidal_engine.structured import GrammarCompilerCache, GrammarMatcher
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # per step, with chunked prefill, on CPU
+# On CUDA, as vLLM does on large GPUs: bigger prefill chunks keep the matmuls efficient and cost
+# fewer steps, so decodes that share steps with prefills wait less in total.
+CUDA_DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 
 
 @dataclass
@@ -123,11 +127,13 @@ class EngineCore:
                 f"({arch.max_position_embeddings})"
             )
         torch.manual_seed(config.seed)
+        if config.max_num_batched_tokens is None:  # resolved here, so the workers profile the real step size
+            config = dataclasses.replace(config, max_num_batched_tokens=default_max_num_batched_tokens(
+                self.device, config.enable_chunked_prefill, self.max_model_len))
+        self.config = config
         self.executor = executor or build_executor(config, self.source, self.device, self.dtype)
         self.eos_token_ids = eos_ids(arch.eos_token_id, self.tokenizer)
-        budget = config.max_num_batched_tokens or (
-            DEFAULT_MAX_NUM_BATCHED_TOKENS if config.enable_chunked_prefill else max(self.max_model_len, DEFAULT_MAX_NUM_BATCHED_TOKENS)
-        )
+        budget = config.max_num_batched_tokens
         self.kv_cache_manager = KVCacheManager(
             num_blocks=self.executor.num_kv_blocks,
             block_size=config.block_size,
@@ -575,6 +581,12 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+def default_max_num_batched_tokens(device: torch.device, chunked_prefill: bool, max_model_len: int) -> int:
+    """vLLM's rule: a fixed budget with chunked prefill, else room for a whole prompt."""
+    base = CUDA_DEFAULT_MAX_NUM_BATCHED_TOKENS if device.type == "cuda" else DEFAULT_MAX_NUM_BATCHED_TOKENS
+    return base if chunked_prefill else max(max_model_len, base)
 
 
 def build_executor(config: EngineConfig, source: Any, device: torch.device, dtype: torch.dtype) -> Executor:
