@@ -557,16 +557,3 @@ def test_tokens_beyond_bitmask_width_stay_allowed() -> None:
     two_words = bitmask_bytes([1], 64)  # covers tokens 0..63 only
     assert sampler.sample(logits, ["g"], {"g": two_words}).result()[0] == [66]
 
-
-@pytest.mark.parametrize("vocab,k", [(20000, 50), (16384, 7), (49152, 1), (30001, 200)])
-def test_two_stage_top_k_equals_a_full_top_k(vocab: int, k: int) -> None:
-    # Many slices, a last slice padded with -inf, k from 1 to large: the candidates are
-    # exactly torch.topk's (random float logits have no ties).
-    from tidal_engine.runner.sampler import top_k_candidates
-
-    logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(vocab + k))
-    values, ids = top_k_candidates(logits, k)
-    want_values, want_ids = logits.topk(k, dim=-1, sorted=True)
-    assert torch.equal(values, want_values)
-    assert torch.equal(ids, want_ids)
-    assert torch.equal(logits.gather(1, ids), values)

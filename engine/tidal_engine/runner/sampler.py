@@ -58,7 +58,6 @@ top ``options.logprobs`` alternatives, computed on the device for the rows that 
 
 from __future__ import annotations
 
-import os
 
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -139,7 +138,7 @@ def _filter_candidates(
 
     if group == "top_k":
         assert top_k is not None and max_k > 0
-        values, ids = top_k_candidates(x, max_k)
+        values, ids = x.topk(max_k, dim=-1, sorted=True)
         values = values.float() * inv_t
         positions = torch.arange(max_k, device=x.device)
         values = values.masked_fill(positions.unsqueeze(0) >= top_k.unsqueeze(1), float("-inf"))
@@ -158,30 +157,6 @@ def _filter_candidates(
         # Ratios to the max do not change when renormalising after top-k / top-p.
         weights = weights.masked_fill(weights < weights[:, :1] * min_p.unsqueeze(1), 0.0)
     return weights, ids
-
-
-# Two-stage top-k: rows are cut into slices of this many logits, each slice keeps its own top
-# k, then the top k of those candidates is taken. The global top k is always among them (a
-# value in it is in its slice's top k), so the result is exact; many short slices spread
-# over the GPU instead of one long radix select per row.
-TOPK_SLICE = int(os.environ.get("TIDAL_TOPK_SLICE", "4096"))
-
-
-def top_k_candidates(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``k`` largest values of each row of ``x`` [n, V], sorted descending, and their ids."""
-    n, vocab = x.shape
-    slice_len = TOPK_SLICE
-    if slice_len <= 0 or vocab <= 2 * slice_len or k > slice_len // 4:
-        return x.topk(k, dim=-1, sorted=True)
-    num_slices = -(-vocab // slice_len)
-    padded = num_slices * slice_len
-    if padded != vocab:  # pad with -inf: never chosen before a real logit
-        x = torch.nn.functional.pad(x, (0, padded - vocab), value=float("-inf"))
-    part_values, part_ids = x.view(n, num_slices, slice_len).topk(k, dim=-1, sorted=False)
-    offsets = torch.arange(0, padded, slice_len, device=x.device).view(1, num_slices, 1)
-    part_ids = (part_ids + offsets).view(n, num_slices * k)
-    values, pos = part_values.view(n, num_slices * k).topk(k, dim=-1, sorted=True)
-    return values, part_ids.gather(1, pos)
 
 
 def _draw(weights: torch.Tensor, ids: torch.Tensor | None, u: torch.Tensor) -> torch.Tensor:
