@@ -556,4 +556,3 @@ def test_tokens_beyond_bitmask_width_stay_allowed() -> None:
     logits[0, 66] = 5.0
     two_words = bitmask_bytes([1], 64)  # covers tokens 0..63 only
     assert sampler.sample(logits, ["g"], {"g": two_words}).result()[0] == [66]
-

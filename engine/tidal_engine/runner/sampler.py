@@ -58,7 +58,6 @@ top ``options.logprobs`` alternatives, computed on the device for the rows that 
 
 from __future__ import annotations
 
-
 from collections.abc import Sequence
 from dataclasses import dataclass
 
