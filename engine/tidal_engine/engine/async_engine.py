@@ -132,6 +132,16 @@ class EngineClient(Protocol):
     async def get_stats(self) -> Any: ...
 
 
+def check_sleep_request(level: int, mode: str, enabled: bool) -> None:
+    """A /sleep call's arguments, checked the same way by every engine client (ValueError: a 400)."""
+    if level not in (1, 2):
+        raise ValueError(f"sleep level must be 1 or 2, got {level}")
+    if mode not in ("wait", "abort"):
+        raise ValueError(f"sleep mode must be 'wait' or 'abort', got {mode!r}")
+    if not enabled:
+        raise ValueError("sleep mode is not enabled; start the server with --enable-sleep-mode")
+
+
 @dataclass
 class FinishedRequest:
     """Everything the metrics and the request log need about one finished request."""
@@ -400,12 +410,7 @@ class AsyncLLMEngine:
         mode="wait" lets in-flight requests finish first; mode="abort" aborts them.
         New requests are refused (engine_sleeping) from the moment this is called.
         """
-        if level not in (1, 2):
-            raise ValueError(f"sleep level must be 1 or 2, got {level}")
-        if mode not in ("wait", "abort"):
-            raise ValueError(f"sleep mode must be 'wait' or 'abort', got {mode!r}")
-        if not self.enable_sleep_mode:
-            raise ValueError("sleep mode is not enabled; start the server with --enable-sleep-mode")
+        check_sleep_request(level, mode, self.enable_sleep_mode)
         async with self._lock():
             if self._snapshot.sleep_level:
                 return  # already asleep: repeating the call changes nothing

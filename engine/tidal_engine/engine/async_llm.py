@@ -37,7 +37,9 @@ from tidal_engine.engine.async_engine import (
     EngineSleepingError,
     EngineSnapshot,
     FinishedRequest,
+    check_sleep_request,
 )
+from tidal_engine.engine.core import check_prompt
 from tidal_engine.engine.core_proc import CoreAddresses
 from tidal_engine.engine.llm_engine import tokenize
 from tidal_engine.engine.messages import (
@@ -212,7 +214,7 @@ class AsyncLLM:
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_text, token_ids = tokenize(self.tokenizer, prompt)
-        self._check_prompt(token_ids)
+        check_prompt(token_ids, self.info.vocab_size, self.max_model_len)
         arrival = time.time()
         state = self.processor.add_request(request_id, prompt_text, token_ids, params, arrival)
         stream = RequestStream(request_id, prompt, state)
@@ -292,19 +294,6 @@ class AsyncLLM:
             raise EngineSleepingError("the engine is sleeping")
         # A sleeping core refuses adds itself: another API server may have just woken it,
         # and this server's snapshot may be a few milliseconds old.
-
-    def _check_prompt(self, token_ids: list[int]) -> None:
-        if not token_ids:
-            raise ValueError("the prompt is empty")
-        vocab = self.info.vocab_size
-        if min(token_ids) < 0 or max(token_ids) >= vocab:
-            bad = next(t for t in token_ids if not 0 <= t < vocab)
-            raise ValueError(f"token id {bad} is out of the vocabulary (size {vocab})")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"this model's maximum context length is {self.max_model_len} tokens, but the prompt has "
-                f"{len(token_ids)} tokens (at least one must be left to generate)"
-            )
 
     def _send(self, message: msgspec.Struct) -> None:
         assert self._to_core is not None
@@ -470,12 +459,7 @@ class AsyncLLM:
         """Sleep at `level` (1: weights to host, 2: discard all). mode "wait" lets every
         request (of every API server) finish first; "abort" ends them. New requests are
         refused (engine_sleeping) from the moment this is called."""
-        if level not in (1, 2):
-            raise ValueError(f"sleep level must be 1 or 2, got {level}")
-        if mode not in ("wait", "abort"):
-            raise ValueError(f"sleep mode must be 'wait' or 'abort', got {mode!r}")
-        if not self.enable_sleep_mode:
-            raise ValueError("sleep mode is not enabled; start the server with --enable-sleep-mode")
+        check_sleep_request(level, mode, self.enable_sleep_mode)
         async with self._lock():
             if self._snapshot.sleep_level:
                 return

@@ -196,7 +196,7 @@ class EngineCore:
             raise ValueError(f"request id {request_id!r} is already in use")
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError("cache_salt must be a non-empty string")
-        self.check_prompt(prompt_token_ids)
+        check_prompt(prompt_token_ids, self.vocab_size, self.max_model_len)
         max_tokens = params.max_tokens
         room = self.max_model_len - len(prompt_token_ids)
         if max_tokens is None or max_tokens > room:
@@ -254,19 +254,6 @@ class EngineCore:
             # The logits (and so the bitmask) span the model's vocabulary, which may exceed the tokenizer's.
             self._grammars = GrammarCompilerCache(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
         return self._grammars.compile(params.structured_outputs)
-
-    def check_prompt(self, token_ids: list[int]) -> None:
-        if not token_ids:
-            raise ValueError("the prompt is empty")
-        vocab = self.vocab_size
-        if min(token_ids) < 0 or max(token_ids) >= vocab:
-            bad = next(t for t in token_ids if not 0 <= t < vocab)
-            raise ValueError(f"token id {bad} is out of the vocabulary (size {vocab})")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"this model's maximum context length is {self.max_model_len} tokens, but the prompt has "
-                f"{len(token_ids)} tokens (at least one must be left to generate)"
-            )
 
     def abort_request(self, request_id: str) -> None:
         """End a request and all its samples (unknown ids are ignored)."""
@@ -581,6 +568,20 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+def check_prompt(token_ids: list[int], vocab_size: int, max_model_len: int) -> None:
+    """A tokenized prompt fits the vocabulary and leaves room to generate (ValueError: a 400)."""
+    if not token_ids:
+        raise ValueError("the prompt is empty")
+    if min(token_ids) < 0 or max(token_ids) >= vocab_size:
+        bad = next(t for t in token_ids if not 0 <= t < vocab_size)
+        raise ValueError(f"token id {bad} is out of the vocabulary (size {vocab_size})")
+    if len(token_ids) >= max_model_len:
+        raise ValueError(
+            f"this model's maximum context length is {max_model_len} tokens, but the prompt has "
+            f"{len(token_ids)} tokens (at least one must be left to generate)"
+        )
 
 
 def default_max_num_batched_tokens(device: torch.device, chunked_prefill: bool, max_model_len: int) -> int:
