@@ -583,42 +583,11 @@ class AsyncLLMEngine:
             seen = stream.tokens_seen.get(completion.index, 0)
             new_tokens += max(0, len(completion.token_ids) - seen)
             stream.tokens_seen[completion.index] = len(completion.token_ids)
-        if not new_tokens:
-            return
-        if stream.first_token_mono is None:
-            stream.first_token_mono = now
-        elif stream.last_token_mono is not None:
-            # Tokens that arrive together in one step share the step's latency.
-            gap = (now - stream.last_token_mono) / new_tokens
-            stream.itl.extend([gap] * new_tokens)
-        stream.last_token_mono = now
+        note_new_tokens(stream, new_tokens, now)
 
     def _record_finished(self, stream: _RequestStream, output: RequestOutput) -> None:
-        if not self._finished_listeners:
-            return
-        now = time.monotonic()
-        metrics = output.metrics
-        queue_time = None
-        if metrics is not None and metrics.first_scheduled_time is not None:
-            queue_time = max(0.0, metrics.first_scheduled_time - metrics.arrival_time)
-        ttft = None if stream.first_token_mono is None else stream.first_token_mono - stream.arrival_mono
-        record = FinishedRequest(
-            request_id=stream.request_id,
-            prompt=stream.prompt,
-            prompt_tokens=len(output.prompt_token_ids),
-            generation_tokens=sum(len(c.token_ids) for c in output.outputs),
-            cached_tokens=output.num_cached_tokens,
-            finish_reasons=[c.finish_reason or "abort" for c in output.outputs],
-            queue_time_s=queue_time,
-            ttft_s=ttft,
-            e2e_s=now - stream.arrival_mono,
-            inter_token_latencies_s=stream.itl,
-        )
-        for listener in self._finished_listeners:
-            try:
-                listener(record)
-            except Exception:  # a broken listener must not kill the engine loop
-                logger.exception("finished-request listener failed")
+        if self._finished_listeners:
+            notify_finished(self._finished_listeners, finished_record(stream, output, time.monotonic()))
 
     def _refresh_snapshot(self) -> Any:
         stats = self.engine.get_stats()
@@ -640,6 +609,47 @@ class AsyncLLMEngine:
         for stream in list(self._streams.values()):
             stream.put(error)
         self._streams.clear()
+
+
+def note_new_tokens(stream: Any, new_tokens: int, now: float) -> None:
+    """Time a request's tokens as they reach its API server: the first one (TTFT), then the
+    gaps; tokens that arrive together in one step share the step's latency."""
+    if not new_tokens:
+        return
+    if stream.first_token_mono is None:
+        stream.first_token_mono = now
+    elif stream.last_token_mono is not None:
+        gap = (now - stream.last_token_mono) / new_tokens
+        stream.itl.extend([gap] * new_tokens)
+    stream.last_token_mono = now
+
+
+def finished_record(stream: Any, output: RequestOutput, now: float) -> FinishedRequest:
+    """What the metrics and the request log need of a finished (or aborted) request."""
+    metrics = output.metrics
+    queue_time = None
+    if metrics is not None and metrics.first_scheduled_time is not None:
+        queue_time = max(0.0, metrics.first_scheduled_time - metrics.arrival_time)
+    return FinishedRequest(
+        request_id=stream.request_id,
+        prompt=stream.prompt,
+        prompt_tokens=len(output.prompt_token_ids),
+        generation_tokens=sum(len(c.token_ids) for c in output.outputs),
+        cached_tokens=output.num_cached_tokens,
+        finish_reasons=[c.finish_reason or "abort" for c in output.outputs],
+        queue_time_s=queue_time,
+        ttft_s=None if stream.first_token_mono is None else stream.first_token_mono - stream.arrival_mono,
+        e2e_s=now - stream.arrival_mono,
+        inter_token_latencies_s=stream.itl,
+    )
+
+
+def notify_finished(listeners: list[Callable[[FinishedRequest], None]], record: FinishedRequest) -> None:
+    for listener in listeners:
+        try:
+            listener(record)
+        except Exception:  # a broken listener must not stop the engine's output delivery
+            logger.exception("finished-request listener failed")
 
 
 def _aborted_output(stream: _RequestStream) -> RequestOutput:

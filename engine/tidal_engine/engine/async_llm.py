@@ -38,6 +38,9 @@ from tidal_engine.engine.async_engine import (
     EngineSnapshot,
     FinishedRequest,
     check_sleep_request,
+    finished_record,
+    note_new_tokens,
+    notify_finished,
 )
 from tidal_engine.engine.core import check_prompt
 from tidal_engine.engine.core_proc import CoreAddresses
@@ -353,49 +356,17 @@ class AsyncLLM:
             stream = self._streams.get(state.request_id)
             if stream is None:
                 continue
-            self._track_tokens(stream, state.new_tokens, now)
+            note_new_tokens(stream, state.new_tokens, now)
             state.new_tokens = 0
             if state.finished:
                 self._record_finished(stream)
                 self._forget(state.request_id)
             stream.notify()
 
-    @staticmethod
-    def _track_tokens(stream: RequestStream, new_tokens: int, now: float) -> None:
-        if not new_tokens:
-            return
-        if stream.first_token_mono is None:
-            stream.first_token_mono = now
-        elif stream.last_token_mono is not None:
-            gap = (now - stream.last_token_mono) / new_tokens  # tokens of one step share its latency
-            stream.itl.extend([gap] * new_tokens)
-        stream.last_token_mono = now
-
     def _record_finished(self, stream: RequestStream) -> None:
-        if not self._finished_listeners:
-            return
-        state = stream.state
-        metrics = state.metrics
-        queue_time = None
-        if metrics.first_scheduled_time is not None:
-            queue_time = max(0.0, metrics.first_scheduled_time - metrics.arrival_time)
-        record = FinishedRequest(
-            request_id=stream.request_id,
-            prompt=stream.prompt,
-            prompt_tokens=len(state.prompt_token_ids),
-            generation_tokens=sum(len(s.token_ids) for s in state.samples),
-            cached_tokens=state.num_cached_tokens,
-            finish_reasons=[s.finish_reason or "abort" for s in state.samples],
-            queue_time_s=queue_time,
-            ttft_s=None if stream.first_token_mono is None else stream.first_token_mono - stream.arrival_mono,
-            e2e_s=time.monotonic() - stream.arrival_mono,
-            inter_token_latencies_s=stream.itl,
-        )
-        for listener in self._finished_listeners:
-            try:
-                listener(record)
-            except Exception:  # a broken listener must not break output delivery
-                logger.exception("finished-request listener failed")
+        if self._finished_listeners:
+            output = OutputProcessor.output(stream.state)
+            notify_finished(self._finished_listeners, finished_record(stream, output, time.monotonic()))
 
     # ------------------------------------------------------------------ core death
     async def _watch_disconnect(self, monitor: zmq.asyncio.Socket) -> None:
