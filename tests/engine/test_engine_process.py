@@ -30,6 +30,7 @@ from test_lora_server import adapter_root  # noqa: E402
 from test_server_support import free_port, tiny_model_dir, wait_for_health, wait_until  # noqa: E402
 
 from tidal_engine import LLM, SamplingParams  # noqa: E402
+from tidal_engine.server.metrics import metric_value  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -203,6 +204,11 @@ def test_64_concurrent_streams_all_finish(served: Served) -> None:
             await client.close()
 
     assert asyncio.run(run()) == [16] * 64
+    # Each API server records the requests it served; the engine's counters come from the core.
+    text = httpx.get(f"{served.url}/metrics", timeout=10).text
+    assert (metric_value(text, "tidal:e2e_request_latency_seconds_count", model_name="tiny") or 0) > 0
+    assert (metric_value(text, "tidal:time_to_first_token_seconds_count", model_name="tiny") or 0) > 0
+    assert (metric_value(text, "tidal:generation_tokens_total", model_name="tiny") or 0) >= 64 * 16
 
 
 def test_sleep_through_one_api_server_refuses_on_both(served: Served) -> None:
