@@ -197,3 +197,17 @@ def test_a_core_that_cannot_start_says_why(model_dir: Path) -> None:
     workdir = tempfile.mkdtemp(prefix="tidal-split-test-")
     with pytest.raises(EngineStartError, match="max_model_len"):
         start_engine_core(config, CoreAddresses(f"ipc://{workdir}/in", [f"ipc://{workdir}/out0"]))
+
+
+async def test_stats_are_fresh_when_the_last_answer_arrives(split: Split) -> None:
+    # The step that leaves the core idle sends its stats with the last deltas: /metrics (which
+    # reads the snapshot) shows no running request and no KV in use as soon as the answer is in.
+    client = split.clients[0]
+    await final(client, "warm")
+    for i in range(3):
+        output = await final(client, f"fresh{i}", [100 + i] * 40)
+        assert output.finished
+        stats = client.snapshot.stats
+        assert stats.num_running == 0 and stats.num_waiting == 0
+        assert stats.kv_cache_usage == 0.0
+        assert stats.generation_tokens_total == 12 * (i + 2)

@@ -75,6 +75,7 @@ class EngineCoreProc:
         self.stopping = False
         self._pending: dict[int, EngineCoreOutputs] = {}
         self._last_stats = 0.0
+        self._stats_dirty = False  # requests changed since the last stats went out
 
     # ---- the loop ----------------------------------------------------------------------
     def run(self) -> None:
@@ -89,7 +90,10 @@ class EngineCoreProc:
                 self._run_idle_calls()
                 if self.core.has_unfinished_requests():
                     self._route(self.core.step())
-                self._flush()
+                    # The step that leaves the engine idle carries fresh stats with its last
+                    # deltas, so /metrics is exact once the last answer has arrived.
+                    self._stats_dirty = True
+                self._flush(force_stats=self._stats_dirty and not self.core.has_unfinished_requests())
         except Exception as exc:
             logger.exception("engine core loop died")
             self._broadcast_fatal(f"the engine core failed: {exc!r}")
@@ -124,6 +128,7 @@ class EngineCoreProc:
         if force_stats or now - self._last_stats >= STATS_INTERVAL_S:
             stats = self.core.get_stats()
             self._last_stats = now
+            self._stats_dirty = False
             for client in range(len(self.outboxes)):
                 self._outputs(client)
         pending, self._pending = self._pending, {}
@@ -160,6 +165,7 @@ class EngineCoreProc:
         out.accepted.append(msg.request_id)
 
     def _abort(self, msg: AbortRequests) -> None:
+        self._stats_dirty = True  # blocks were freed
         if msg.finish_reason == "stop":  # samples whose stop string matched in the API server
             self.core.finish_samples(msg.request_ids)
             for request_id in msg.request_ids:
