@@ -158,12 +158,14 @@ async def test_sleep_refuses_new_requests_on_every_client(split: Split) -> None:
     a, b = split.clients
     await a.sleep(1)
     assert await a.is_sleeping()
+    assert await b.is_sleeping()  # asked of the core, not of b's (possibly older) snapshot
     with pytest.raises(EngineSleepingError):
         await a.add_request("zz", PROMPT, GREEDY)
     with pytest.raises(EngineSleepingError):  # the other API server's snapshot says so, or the core refuses
         await b.add_request("zz2", PROMPT, GREEDY)
     await a.wake_up()
     assert not await a.is_sleeping()
+    assert not await b.is_sleeping()
     assert (await final(b, "after")).finished
 
 

@@ -424,6 +424,12 @@ class AsyncLLM:
         return self._admin_lock
 
     async def is_sleeping(self) -> bool:
+        """Asks the core: another API server may have just put it to sleep or woken it."""
+        if self._dead is None:
+            try:
+                await self._call("get_stats")  # the reply brings fresh stats, the sleep level included
+            except EngineDeadError:
+                pass
         return self._snapshot.sleep_level > 0
 
     async def sleep(self, level: int = 1, mode: str = "wait") -> None:
