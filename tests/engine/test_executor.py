@@ -166,7 +166,7 @@ class MiniCore:
             left -= n
         forget, self.forget = self.forget, []
         self.step_id += 1
-        return StepPlan(self.step_id, new, scheduled, forget, num_scheduled_tokens=self.budget - left), chunks
+        return StepPlan(self.step_id, new, scheduled, forget), chunks
 
     def launch(self) -> tuple[PendingStep, list[tuple[_Req, int, bool]]] | None:
         plan, chunks = self.plan()

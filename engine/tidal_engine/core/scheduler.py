@@ -45,8 +45,16 @@ from tidal_engine.core.request import Request, RequestStatus
 if TYPE_CHECKING:
     from tidal_engine.config import EngineConfig
 
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # per step, with chunked prefill, on CPU
+# On CUDA, as vLLM does on large GPUs: bigger prefill chunks keep the matmuls efficient and cost
+# fewer steps, so decodes that share steps with prefills wait less in total.
+CUDA_DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 
+
+def default_max_num_batched_tokens(on_cuda: bool, chunked_prefill: bool, max_model_len: int) -> int:
+    """vLLM's rule: a fixed budget with chunked prefill, else room for a whole prompt."""
+    base = CUDA_DEFAULT_MAX_NUM_BATCHED_TOKENS if on_cuda else DEFAULT_MAX_NUM_BATCHED_TOKENS
+    return base if chunked_prefill else max(max_model_len, base)
 
 @dataclass
 class SchedulerConfig:
@@ -69,22 +77,18 @@ class SchedulerConfig:
             )
 
     @classmethod
-    def from_engine_config(cls, config: EngineConfig, max_model_len: int) -> SchedulerConfig:
-        """Resolve vLLM's defaults: a 2048-token budget with chunked prefill, else enough for
-        a full-length prompt."""
-        budget = config.max_num_batched_tokens
-        if budget is None:
-            budget = DEFAULT_MAX_NUM_BATCHED_TOKENS
-            if not config.enable_chunked_prefill:
-                budget = max(budget, max_model_len)
+    def from_engine_config(cls, config: EngineConfig, max_model_len: int, on_cuda: bool = False) -> SchedulerConfig:
+        """The scheduler's part of the engine config; an unset budget gets vLLM's default."""
+        budget = config.max_num_batched_tokens or default_max_num_batched_tokens(
+            on_cuda, config.enable_chunked_prefill, max_model_len)
         return cls(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=budget,
             max_model_len=max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
             block_size=config.block_size,
+            max_loras=config.max_loras if config.enable_lora else None,
         )
-
 
 @dataclass
 class ScheduledChunk:

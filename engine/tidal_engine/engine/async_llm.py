@@ -1,7 +1,7 @@
 """AsyncLLM: an API server's view of the engine core running in its own process.
 
-It does the request side's CPU work here, in the API server: tokenizing, checking the
-prompt, and turning the core's deltas into text and ``RequestOutput``s (the output
+It does the request side's CPU work here, in the API server: tokenizing, and turning the
+core's deltas into text and ``RequestOutput``s (the output
 processor: incremental detokenizing, stop strings, logprob text). The core gets token
 ids over ZeroMQ and answers with deltas only.
 
@@ -42,7 +42,6 @@ from tidal_engine.engine.async_engine import (
     note_new_tokens,
     notify_finished,
 )
-from tidal_engine.engine.core import check_prompt
 from tidal_engine.engine.core_proc import CoreAddresses
 from tidal_engine.engine.llm_engine import tokenize
 from tidal_engine.engine.messages import (
@@ -216,8 +215,7 @@ class AsyncLLM:
         self._check_accepting()
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        prompt_text, token_ids = tokenize(self.tokenizer, prompt)
-        check_prompt(token_ids, self.info.vocab_size, self.max_model_len)
+        prompt_text, token_ids = tokenize(self.tokenizer, prompt)  # the core checks the ids (a refusal is a ValueError)
         arrival = time.time()
         state = self.processor.add_request(request_id, prompt_text, token_ids, params, arrival)
         stream = RequestStream(request_id, prompt, state)

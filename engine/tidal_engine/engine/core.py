@@ -30,8 +30,14 @@ import torch
 from tidal_engine.config import EngineConfig
 from tidal_engine.core.kv_cache_manager import KVCacheManager
 from tidal_engine.core.request import PLACEHOLDER_TOKEN, Request, RequestStatus
-from tidal_engine.core.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
-from tidal_engine.engine.messages import CoreStats, SampleDelta
+from tidal_engine.core.scheduler import (
+    ScheduledChunk,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+    default_max_num_batched_tokens,
+)
+from tidal_engine.engine.messages import CoreStats, SampleDelta, sample_request_id
 from tidal_engine.executor.base import Executor, PendingStep
 from tidal_engine.executor.plan import NewRequest, SampledLogprobs, SamplingOptions, ScheduledRequest, StepPlan
 from tidal_engine.lora import AdapterInfo, LoRAAdapter, LoRAError, LoRAManager
@@ -41,10 +47,6 @@ from tidal_engine.structured import GrammarCompilerCache, GrammarMatcher
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # per step, with chunked prefill, on CPU
-# On CUDA, as vLLM does on large GPUs: bigger prefill chunks keep the matmuls efficient and cost
-# fewer steps, so decodes that share steps with prefills wait less in total.
-CUDA_DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 
 
 @dataclass
@@ -112,7 +114,6 @@ def sampling_options(params: SamplingParams, eos_token_ids: set[int]) -> Samplin
 
 class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
-        self.config = config
         self.device = resolve_device(config.device)
         self.source = resolve_model(config.model)
         arch = self.source.arch_config
@@ -129,27 +130,16 @@ class EngineCore:
         torch.manual_seed(config.seed)
         if config.max_num_batched_tokens is None:  # resolved here, so the workers profile the real step size
             config = dataclasses.replace(config, max_num_batched_tokens=default_max_num_batched_tokens(
-                self.device, config.enable_chunked_prefill, self.max_model_len))
+                self.device.type == "cuda", config.enable_chunked_prefill, self.max_model_len))
         self.config = config
         self.executor = executor or build_executor(config, self.source, self.device, self.dtype)
         self.eos_token_ids = eos_ids(arch.eos_token_id, self.tokenizer)
-        budget = config.max_num_batched_tokens
         self.kv_cache_manager = KVCacheManager(
             num_blocks=self.executor.num_kv_blocks,
             block_size=config.block_size,
             enable_prefix_caching=config.enable_prefix_caching,
         )
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=budget,
-                max_model_len=self.max_model_len,
-                enable_chunked_prefill=config.enable_chunked_prefill,
-                block_size=config.block_size,
-                max_loras=config.max_loras if config.enable_lora else None,
-            ),
-            self.kv_cache_manager,
-        )
+        self.scheduler = Scheduler(SchedulerConfig.from_engine_config(config, self.max_model_len), self.kv_cache_manager)
         self._parents: dict[str, _Parent] = {}
         self._samples: dict[str, _Sample] = {}  # scheduler request id → sample
         # What the workers know: request id → block ids sent so far; forgotten ids to send.
@@ -281,6 +271,10 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return bool(self._parents)
 
+    def has_request(self, request_id: str) -> bool:
+        """The request (any of its samples) is still running."""
+        return request_id in self._parents
+
     # ---- the step --------------------------------------------------------------------
     def step(self) -> list[SampleDelta]:
         """One scheduled forward; returns a delta for each sample it advanced. With async
@@ -351,14 +345,11 @@ class EngineCore:
         forget, self._forget = self._forget, []
         self._step_ids += 1
         return StepPlan(step_id=self._step_ids, new_requests=new_requests, scheduled=scheduled,
-                        finished_req_ids=forget, grammar_bitmasks=bitmasks,
-                        num_scheduled_tokens=output.num_batched_tokens)
+                        finished_req_ids=forget, grammar_bitmasks=bitmasks)
 
     def _flush_forgotten(self) -> None:
-        forget, self._forget = self._forget, []
-        self._step_ids += 1
-        self.executor.execute(StepPlan(step_id=self._step_ids, new_requests=[], scheduled=[],
-                                       finished_req_ids=forget)).result()
+        """A plan with nothing to run: the workers drop the finished requests now."""
+        self.executor.execute(self._plan(SchedulerOutput(), time.time())).result()
 
     def _advance_with_placeholders(self, step: _Step) -> set[str]:
         """Move the scheduler past ``step`` as if its tokens were known (placeholders stand in
@@ -584,12 +575,6 @@ def check_prompt(token_ids: list[int], vocab_size: int, max_model_len: int) -> N
         )
 
 
-def default_max_num_batched_tokens(device: torch.device, chunked_prefill: bool, max_model_len: int) -> int:
-    """vLLM's rule: a fixed budget with chunked prefill, else room for a whole prompt."""
-    base = CUDA_DEFAULT_MAX_NUM_BATCHED_TOKENS if device.type == "cuda" else DEFAULT_MAX_NUM_BATCHED_TOKENS
-    return base if chunked_prefill else max(max_model_len, base)
-
-
 def build_executor(config: EngineConfig, source: Any, device: torch.device, dtype: torch.dtype) -> Executor:
     """The configured executor: "uni", "mp", or (as vLLM allows) "package.module:Class", an
     Executor subclass built with the same arguments."""
@@ -601,11 +586,6 @@ def build_executor(config: EngineConfig, source: Any, device: torch.device, dtyp
     from tidal_engine.executor import create_executor
 
     return create_executor(config, source, device, dtype)
-
-
-def sample_request_id(request_id: str, index: int, n: int) -> str:
-    """The scheduler's id of one sample: the request id itself when n == 1."""
-    return request_id if n == 1 else f"{request_id}#{index}"
 
 
 def resolve_device(device: str) -> torch.device:

@@ -70,7 +70,7 @@ class EngineCoreProc:
         self.encode = encoder().encode
         self.decode = input_decoder().decode
         self.client_of: dict[str, int] = {}  # request id → the API server that sent it
-        self.idle_calls: list[UtilityCall] = []  # calls waiting for the engine to drain
+        self.idle_calls: list[UtilityCall] = []  # sleeps waiting for the engine to drain
         self.sleeping_soon = False  # a sleep is draining: new requests are refused
         self.stopping = False
         self._pending: dict[int, EngineCoreOutputs] = {}
@@ -119,7 +119,7 @@ class EngineCoreProc:
     def _outputs(self, client: int) -> EngineCoreOutputs:
         out = self._pending.get(client)
         if out is None:
-            out = self._pending[client] = EngineCoreOutputs(deltas=[], utility_results=[], accepted=[], rejected={}, aborted=[])
+            out = self._pending[client] = EngineCoreOutputs()
         return out
 
     def _flush(self, force_stats: bool = False) -> None:
@@ -169,15 +169,12 @@ class EngineCoreProc:
         if msg.finish_reason == "stop":  # samples whose stop string matched in the API server
             self.core.finish_samples(msg.request_ids)
             for request_id in msg.request_ids:
-                if request_id in self.client_of and not self._known(request_id):
+                if request_id in self.client_of and not self.core.has_request(request_id):
                     del self.client_of[request_id]
             return
         for request_id in msg.request_ids:
             self.core.abort_request(request_id)
             self.client_of.pop(request_id, None)
-
-    def _known(self, request_id: str) -> bool:
-        return request_id in self.core._parents  # noqa: SLF001 - the proc is the core's own loop
 
     def _route(self, deltas: list[SampleDelta]) -> None:
         ended: set[str] = set()
@@ -186,7 +183,7 @@ class EngineCoreProc:
             if client is None:
                 continue
             self._outputs(client).deltas.append(delta)
-            if delta.finish_reason is not None and not self._known(delta.request_id):
+            if delta.finish_reason is not None and not self.core.has_request(delta.request_id):
                 ended.add(delta.request_id)  # after the loop: its other samples may end in this step too
         for request_id in ended:
             del self.client_of[request_id]
@@ -199,7 +196,7 @@ class EngineCoreProc:
 
     # ---- utility calls ---------------------------------------------------------------
     def _call(self, call: UtilityCall) -> None:
-        if call.method == "sleep":
+        if call.method == "sleep":  # answered once no request is left (or, mode "abort", all ended)
             level, mode = call.args
             if self.core.is_sleeping():
                 self._reply(call, None)
@@ -209,47 +206,34 @@ class EngineCoreProc:
                 self._abort_all()
             self.idle_calls.append(call)
             return
-        if call.method == "drain":  # answered once no request is left
-            self.idle_calls.append(call)
-            return
-        if call.method == "abort_all":
-            self._abort_all()
-            self._reply(call, None)
-            return
         if call.method == "shutdown":
             self.stopping = True
             self._reply(call, None)
             return
-        handler = self._handlers().get(call.method)
+        core = self.core
+        handlers: dict[str, Callable[..., Any]] = {
+            "wake_up": core.wake_up,
+            "reset_prefix_cache": core.reset_prefix_cache,
+            "load_lora": core.load_lora,
+            "remove_lora": core.remove_lora,
+            "get_stats": lambda: None,  # the stats ride along with every reply
+        }
+        handler = handlers.get(call.method)
         if handler is None:
             self._reply_error(call, ValueError(f"unknown engine call {call.method!r}"))
             return
         self._run(call, lambda: handler(*call.args))
 
-    def _handlers(self) -> dict[str, Callable[..., Any]]:
-        core = self.core
-        return {
-            "wake_up": lambda tags: core.wake_up(tags),
-            "reset_prefix_cache": core.reset_prefix_cache,
-            "load_lora": core.load_lora,
-            "remove_lora": core.remove_lora,
-            "list_loras": lambda: [msgspec.structs.asdict(a) if isinstance(a, msgspec.Struct) else vars(a).copy() for a in core.list_loras()],
-            "get_stats": lambda: None,  # the stats ride along with every reply
-            "memory_usage": core.memory_usage,
-        }
-
     def _run_idle_calls(self) -> None:
+        """Sleeps waiting for the engine to drain."""
         if not self.idle_calls or self.core.has_unfinished_requests():
             return
         calls, self.idle_calls = self.idle_calls, []
         for call in calls:
-            if call.method == "sleep":
-                try:
-                    self._run(call, lambda: self.core.sleep(call.args[0]))
-                finally:
-                    self.sleeping_soon = False
-            else:
-                self._reply(call, None)
+            try:
+                self._run(call, lambda: self.core.sleep(call.args[0]))
+            finally:
+                self.sleeping_soon = False
 
     def _run(self, call: UtilityCall, fn: Callable[[], Any]) -> None:
         try:

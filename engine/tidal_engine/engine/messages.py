@@ -42,6 +42,11 @@ class UtilityCall(msgspec.Struct, tag="call"):
 EngineCoreInput = EngineCoreRequest | AbortRequests | UtilityCall
 
 
+def sample_request_id(request_id: str, index: int, n: int) -> str:
+    """The id of one sample in the core (and in AbortRequests): the request id itself when n == 1."""
+    return request_id if n == 1 else f"{request_id}#{index}"
+
+
 class SampleDelta(msgspec.Struct, array_like=True):
     """One sample's progress in one step."""
 

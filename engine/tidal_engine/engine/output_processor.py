@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from tidal_engine.engine.messages import SampleDelta
+from tidal_engine.engine.messages import SampleDelta, sample_request_id
 from tidal_engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
 from tidal_engine.runner.detokenizer import IncrementalDetokenizer, decode_token
 from tidal_engine.sampling_params import SamplingParams
@@ -98,7 +98,7 @@ class OutputProcessor:
                 state.metrics.first_scheduled_time = delta.first_scheduled_time
             state.num_cached_tokens = delta.num_cached_tokens
             if self._apply(state, sample, delta) and delta.finish_reason is None:
-                stopped.append(state.request_id if state.params.n == 1 else f"{state.request_id}#{sample.index}")
+                stopped.append(sample_request_id(state.request_id, sample.index, state.params.n))
             state.new_tokens += len(delta.new_token_ids)
             state.metrics.first_token_time = state.metrics.first_token_time or now
             state.metrics.last_token_time = now

@@ -65,7 +65,6 @@ class StepPlan(msgspec.Struct, frozen=True):
     finished_req_ids: list[str]  # forget these (finished, aborted); sent once
     # Structured outputs: req_id → packed int32 bitmask words (xgrammar layout) for this step.
     grammar_bitmasks: dict[str, bytes] = {}
-    num_scheduled_tokens: int = 0
 
 
 class SampledLogprobs(msgspec.Struct, frozen=True, array_like=True):

@@ -23,10 +23,9 @@ def resolve_worker_args(config: Any, source: Any, device: Any, dtype: Any) -> tu
     if source is None:
         source = resolve_model(config.model)
     if device is None:
-        name = config.device
-        if name == "auto":
-            name = "cuda" if torch.cuda.is_available() else "cpu"
-        device = torch.device(name)
+        from tidal_engine.engine.core import resolve_device
+
+        device = resolve_device(config.device)
     elif not isinstance(device, torch.device):
         device = torch.device(device)
     if dtype is None:
