@@ -33,6 +33,7 @@ table row of zeros (they read block 0, which is harmless: their outputs are drop
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -141,10 +142,12 @@ class StepLayout:
 _ALIGN = 4  # int64 elements
 
 
+@functools.lru_cache(maxsize=4096)  # a pure function of a few sizes, asked several times a step
 def packed_offsets(
     num_tokens: int, num_seqs: int, num_samples: int, num_feeds: int = 0, num_bt_updates: int = 0
 ) -> dict[str, tuple[int, int]]:
-    """[start, end) of each array in the packed int64 buffer (starts aligned to 32 bytes)."""
+    """[start, end) of each array in the packed int64 buffer (starts aligned to 32 bytes).
+    Shared between callers: read it, don't change it."""
     t, s = num_tokens, num_seqs
     spans = [
         ("input_ids", t),
