@@ -268,16 +268,18 @@ def test_killed_engine_later_requests_succeed_on_the_other_replica(real_stack: A
     in_flight = [a for a in answers if a.started <= killed_at < a.ended]
     print(f"replica failure: {len(answers)} requests, {len(in_flight)} in flight at the kill "
           f"({rs.counts(in_flight)}), after it: {rs.counts(after)}")
-    # No 5xx and no failure at all for anything that had not started streaming: plain
-    # requests on the dead engine were re-sent to the survivor.
-    assert all(a.status is not None and a.status < 500 for a in answers), [a for a in answers if not a.status
-                                                                            or a.status >= 500][:3]
-    plain = [a for a in answers if not a.stream]
-    assert all(a.status == 200 and not a.error and a.text for a in plain), [a for a in plain if a.error][:3]
+    # A request the dead engine had already received is not replayed (it might be what
+    # killed it): it may end in a 502. Every other request succeeds: those that found the
+    # engine gone (connection refused) were re-sent to the survivor.
+    cut = [a for a in answers if a in in_flight and a.replica in (None, victim)]
+    assert all(a.status == 200 or (a in cut and a.status == 502) for a in answers), \
+        [a for a in answers if a.status != 200][:3]
+    plain = [a for a in answers if not a.stream and a.status == 200]
+    assert all(not a.error and a.text for a in plain), [a for a in plain if a.error][:3]
     # A stream that was already flowing from the dead engine ends with an error event (and
     # [DONE]); every other stream completed.
     for a in answers:
-        if a.stream:
+        if a.stream and a.status == 200:
             assert a.done and (not a.error_event or (a in in_flight and a.replica == victim)), a
     assert all(a.replica == survivor for a in after), rs.counts(after)
     retries = rs.metric(router_metrics(real_stack), "tidal_router_retries_total", model=ALPHA) - retries_before

@@ -149,6 +149,39 @@ def listening_socket() -> socket.socket:
     return sock
 
 
+@dataclass
+class CrashingEngine:
+    """Reads a whole request, then drops the connection without answering: an engine that
+    crashed on it. `received` counts the requests that reached it."""
+
+    received: int = 0
+    port: int = 0
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                           if line.lower().startswith(b"content-length:")), 0)
+            await reader.readexactly(length)
+            self.received += 1
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+@contextlib.asynccontextmanager
+async def serve_crashing() -> AsyncIterator[CrashingEngine]:
+    engine = CrashingEngine()
+    server = await asyncio.start_server(engine._handle, sock=listening_socket())
+    engine.port = server.sockets[0].getsockname()[1]
+    try:
+        yield engine
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
 def closed_port() -> int:
     """A port nothing listens on: connecting to it is refused."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

@@ -15,7 +15,7 @@ from tidal_operator.router import Registry, RouterConfig, create_app
 from tidal_operator.router.registry import SecretRef
 
 from router_upstreams import (
-    CLIENT_KEY, FakeEngine, closed_port, llmservice, pod, run_router_for_test, serve_engines, wait_until,
+    CLIENT_KEY, FakeEngine, closed_port, serve_crashing, llmservice, pod, run_router_for_test, serve_engines, wait_until,
 )
 
 
@@ -185,6 +185,22 @@ async def test_connection_refused_is_retried_on_another_replica_and_cooled_down(
             assert router.metric("tidal_router_upstream_errors_total", model="m", kind="connect") == 1
             assert router.metric("tidal_router_retries_total", model="m") == 1
             assert len(live.requests) == 4
+
+
+async def test_a_request_that_reached_an_engine_is_never_replayed() -> None:
+    # Both replicas drop the connection after reading the request (as if it crashed them):
+    # the first one's failure is answered with a 502, and the second never sees the request.
+    async with serve_crashing() as first, serve_crashing() as second:
+        registry = _registry(llmservice("m"), pod("m-0", "m", first.port), pod("m-1", "m", second.port))
+        async with run_router_for_test(registry, max_retries=2) as router:
+            for stream in (False, True):
+                r = await router.client.post("/v1/chat/completions", json=_chat("m", stream=stream))
+                assert r.status_code == 502
+                error = r.json()["error"]
+                assert error["type"] == "upstream_error" and "not re-sent" in error["message"]
+            assert first.received + second.received == 2
+            assert router.metric("tidal_router_retries_total", model="m") == 0
+            assert router.metric("tidal_router_upstream_errors_total", model="m", kind="reset") == 2
 
 
 async def test_failure_mid_stream_ends_with_an_error_event() -> None:

@@ -90,17 +90,16 @@ class _Retry(Exception):
         self.kind = kind
 
 
-# Failures that mean the request never reached a working engine, so a re-send is safe.
-_RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.ReadError, httpx.WriteError,
-              httpx.RemoteProtocolError)
+# The only failures that prove no byte of the request reached an engine, so a re-send is
+# safe. After the body went out (a reset, a closed connection, a read error) the engine may
+# have started on it, and a request that crashed one engine must not crash the next.
+NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 
 
-def _error_kind(exc: BaseException) -> str:
-    if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
-        return "connect"
-    if isinstance(exc, httpx.TimeoutException):
-        return "timeout"
-    return "reset"
+def _broken_after_send(exc: httpx.TransportError) -> Reject:
+    return Reject(502, f"The engine closed the connection after receiving the request ({type(exc).__name__}). "
+                       "It was not re-sent, because the engine may have started on it.", UPSTREAM,
+                  reason="reset")
 
 
 def _sse_error_event(message: str) -> bytes:
@@ -337,13 +336,16 @@ class ProxyEndpoint:
                                                headers=proxy._upstream_headers(entry, scope), timeout=proxy._timeout())
             try:
                 upstream = await proxy.http.send(request, stream=True)
-            except _RETRYABLE as exc:
-                self._failed(replica, model, _error_kind(exc))
-                raise _Retry(_error_kind(exc)) from None
+            except NOT_SENT:
+                self._failed(replica, model, "connect")
+                raise _Retry("connect") from None
             except httpx.TimeoutException:
                 proxy.metrics.upstream_errors.labels(model, "timeout").inc()
                 raise Reject(504, f"The engine did not answer within {proxy.config.read_timeout_s}s.",
                              UPSTREAM) from None
+            except httpx.TransportError as exc:
+                self._failed(replica, model, "reset")
+                raise _broken_after_send(exc) from None
             try:
                 await self._relay(upstream, entry, replica, send)
             finally:
@@ -377,12 +379,12 @@ class ProxyEndpoint:
         if not content_type.startswith("text/event-stream"):
             try:
                 body = await upstream.aread()
-            except _RETRYABLE as exc:  # died while answering: nothing reached the client yet
-                self._failed(replica, model, _error_kind(exc))
-                raise _Retry(_error_kind(exc)) from None
-            except httpx.TransportError:  # a read timeout: the engine may still be working
+            except httpx.TimeoutException:  # the engine may still be working
                 proxy.metrics.upstream_errors.labels(model, "timeout").inc()
                 raise Reject(504, "The engine stopped answering mid-response.", UPSTREAM) from None
+            except httpx.TransportError as exc:  # died while answering: it had the request
+                self._failed(replica, model, "reset")
+                raise _broken_after_send(exc) from None
             proxy.loads.mark_ok(replica)
             headers.append((b"content-length", str(len(body)).encode()))
             await send({"type": "http.response.start", "status": upstream.status_code, "headers": headers})
