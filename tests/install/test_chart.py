@@ -664,8 +664,19 @@ def test_router_service_reaches_the_router_pods() -> None:
     pod = one(objs, "Deployment", f"{RELEASE}-router")["spec"]["template"]
     assert svc["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
     assert svc["spec"]["ports"][0]["targetPort"] == pod["spec"]["containers"][0]["ports"][0]["name"] == "http"
-    probe = pod["spec"]["containers"][0]["readinessProbe"]["httpGet"]
-    assert probe["path"] == "/health"
+    container = pod["spec"]["containers"][0]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/ready"  # after the first lists, not while draining
+    assert container["livenessProbe"]["httpGet"]["path"] == "/health"
+
+
+def test_router_shutdown_fits_in_its_grace_period() -> None:
+    # preStop pause, then --shutdown-grace for in-flight requests, within terminationGracePeriodSeconds.
+    pod = one(render({}), "Deployment", f"{RELEASE}-router")["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    pause = container["lifecycle"]["preStop"]["sleep"]["seconds"]
+    grace = int(next(a for a in container["args"] if a.startswith("--shutdown-grace=")).split("=", 1)[1])
+    assert pause > 0 and grace > 0
+    assert pause + grace < pod["terminationGracePeriodSeconds"]
 
 
 def test_network_policy_admits_exactly_router_operator_and_metrics() -> None:

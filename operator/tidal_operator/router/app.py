@@ -9,9 +9,11 @@ import contextlib
 import hmac
 import logging
 import os
-from typing import Any, AsyncIterator, Iterable, Sequence
+import socket
+from typing import Any, AsyncIterator, Callable, Iterable, Sequence
 
 import httpx
+import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -26,7 +28,7 @@ log = logging.getLogger("tidal.router")
 
 API_KEY_ENV = "TIDAL_ROUTER_API_KEY"
 OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
-OPEN_PATHS = frozenset({"/health"})  # probes come without credentials
+OPEN_PATHS = frozenset({"/health", "/ready"})  # probes come without credentials
 
 
 class ApiKeys:
@@ -95,8 +97,10 @@ def default_http_client(config: RouterConfig) -> httpx.AsyncClient:
 
 
 def create_app(registry: Registry, config: RouterConfig, http_client: httpx.AsyncClient | None = None, *,
-               wake_lease: WakeLease | None = None, api_keys: ApiKeys | None = None) -> FastAPI:
-    """The router app. `api_keys` overrides config.api_keys (for keys rotated from a Secret)."""
+               wake_lease: WakeLease | None = None, api_keys: ApiKeys | None = None,
+               synced: Callable[[], bool] | None = None) -> FastAPI:
+    """The router app. `api_keys` overrides config.api_keys (for keys rotated from a Secret);
+    `synced` says whether every watch has listed once (default: always, for an injected registry)."""
     if api_keys is None:
         if not config.api_keys and not config.allow_unauthenticated:
             raise ValueError("the router needs at least one API key (or allow_unauthenticated=True)")
@@ -109,6 +113,8 @@ def create_app(registry: Registry, config: RouterConfig, http_client: httpx.Asyn
                   poll_interval_s=config.wake_poll_interval_s)
     demand = DemandBook(metrics, config.max_held_per_model)
     proxy = Proxy(registry, config, http, metrics, waker, demand)
+    if synced is not None:
+        proxy.synced = synced
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -128,6 +134,15 @@ def create_app(registry: Registry, config: RouterConfig, http_client: httpx.Asyn
     @app.get("/health")
     async def health() -> JSONResponse:
         return JSONResponse({"status": "ok"})
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        """Readiness: every watch has listed once (so no model is missing) and not shutting down."""
+        if proxy.draining.is_set():
+            return JSONResponse({"status": "draining"}, status_code=503)
+        if not proxy.synced():
+            return JSONResponse({"status": "loading"}, status_code=503)
+        return JSONResponse({"status": "ready"})
 
     @app.get("/v1/models")
     async def list_models() -> JSONResponse:
@@ -192,6 +207,19 @@ async def _refresh_router_keys(api_client: Any, secret: str, keys: ApiKeys, stat
         await asyncio.sleep(interval_s)
 
 
+class DrainingServer(uvicorn.Server):
+    """uvicorn, but on shutdown (SIGTERM) the held requests are handed back with a retryable
+    503 first; requests already on an engine get `timeout_graceful_shutdown` to finish."""
+
+    def __init__(self, proxy: Proxy, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.proxy = proxy
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self.proxy.drain()
+        await super().shutdown(sockets)
+
+
 async def run_router(*, kubeconfig: str | None = None, in_cluster: bool = False, host: str = "0.0.0.0",
                      port: int = 8080, namespace: str | None = None, config: RouterConfig | None = None,
                      api_keys_secret: str | None = None, wake_lease: str = "kubernetes",
@@ -201,8 +229,6 @@ async def run_router(*, kubeconfig: str | None = None, in_cluster: bool = False,
     api_keys_secret: "namespace/name" of a Secret whose every value is a client key.
     wake_lease: "kubernetes" (annotation lease on the Pod) or "none" (rely on idempotency).
     """
-    import uvicorn
-
     from tidal_operator.router.waker import KubernetesWakeLease
 
     config = config or RouterConfig()
@@ -219,9 +245,10 @@ async def run_router(*, kubeconfig: str | None = None, in_cluster: bool = False,
     lease = KubernetesWakeLease(api_client) if wake_lease == "kubernetes" else None
     watcher = KubernetesWatcher(registry, api_client, namespace=namespace)
     await watcher.start()
-    app = create_app(registry, config, wake_lease=lease, api_keys=keys)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
-                                           timeout_graceful_shutdown=30))
+    app = create_app(registry, config, wake_lease=lease, api_keys=keys, synced=watcher.synced.is_set)
+    server = DrainingServer(app.state.proxy, uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, access_log=False,
+        timeout_graceful_shutdown=config.shutdown_grace_s))
     try:
         serve = asyncio.create_task(server.serve())
         while not server.started and not serve.done():
@@ -253,6 +280,8 @@ def build_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.
     p.add_argument("--retries", type=int, default=RouterConfig.max_retries)
     p.add_argument("--cooldown", type=float, default=RouterConfig.cooldown_s)
     p.add_argument("--prefix-chars", type=int, default=RouterConfig.prefix_chars)
+    p.add_argument("--shutdown-grace", type=int, default=RouterConfig.shutdown_grace_s,
+                   help="seconds in-flight requests get to finish after SIGTERM (held ones get a 503 at once)")
     p.add_argument("--wake-lease", choices=["kubernetes", "none"], default="kubernetes")
     p.add_argument("--log-level", default="info")
     return p
@@ -265,7 +294,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     config = RouterConfig(api_keys=tuple(args.api_key) + tuple(env_keys),
                           allow_unauthenticated=args.allow_unauthenticated, hold_timeout_s=args.hold_timeout,
                           max_held_per_model=args.max_held, max_retries=args.retries, cooldown_s=args.cooldown,
-                          prefix_chars=args.prefix_chars)
+                          prefix_chars=args.prefix_chars, shutdown_grace_s=args.shutdown_grace)
     asyncio.run(run_router(kubeconfig=args.kubeconfig, in_cluster=args.in_cluster, host=args.host, port=args.port,
                            namespace=args.namespace, config=config, api_keys_secret=args.api_keys_secret,
                            wake_lease=args.wake_lease, log_level=args.log_level))

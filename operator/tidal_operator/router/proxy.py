@@ -12,7 +12,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import httpx
 from starlette.types import Receive, Scope, Send
@@ -52,6 +52,7 @@ class RouterConfig:
     read_timeout_s: float | None = 600.0  # between bytes; a non-streamed answer comes whole
     retry_after_s: int = 5  # the Retry-After header on 503s
     protect_metrics: bool = True  # /metrics and /debug/* need a key too
+    shutdown_grace_s: int = 30  # on SIGTERM, time for in-flight requests to finish (held ones get a 503 at once)
 
 
 def error_body(status: int, message: str, err_type: str, param: str | None = None,
@@ -119,6 +120,21 @@ class Proxy:
         self.waker = waker
         self.demand = demand
         self.loads = LoadTracker(cooldown_s=config.cooldown_s)
+        # False until every watch has listed once: until then an unknown model may just not
+        # be loaded yet, so it is a retryable 503, not a 404.
+        self.synced: Callable[[], bool] = lambda: True
+        # Set when the server begins to shut down: held requests are handed back at once
+        # with a retryable 503 (another router replica takes the retry); in-flight ones finish.
+        self.draining = asyncio.Event()
+
+    def drain(self) -> None:
+        self.draining.set()
+
+    def _shutting_down(self, model: str) -> Reject:
+        self.metrics.rejected.labels(model, "shutdown").inc()
+        return Reject(503, f"This router is shutting down while model '{model}' has no available replica; "
+                           "retry (another router replica will take the request).", UNAVAILABLE,
+                      retry_after=1, reason="shutdown")
 
     def endpoint(self, path: str) -> "ProxyEndpoint":
         return ProxyEndpoint(self, path)
@@ -130,6 +146,8 @@ class Proxy:
         entry = self._lookup(model)
         if entry.routable():
             return entry
+        if self.draining.is_set():
+            raise self._shutting_down(model)
         try:
             self.demand.hold(entry)
         except QueueFull as exc:
@@ -143,7 +161,10 @@ class Proxy:
                 entry = self._lookup(model)
                 if entry.routable():
                     return entry
-                waiters: set[asyncio.Future[Any]] = {asyncio.ensure_future(self.registry.wait_changed(version))}
+                if self.draining.is_set():
+                    raise self._shutting_down(model)
+                waiters: set[asyncio.Future[Any]] = {asyncio.ensure_future(self.registry.wait_changed(version)),
+                                                     asyncio.ensure_future(self.draining.wait())}
                 wake = self.waker.ensure_waking(entry)
                 if wake is not None:
                     waiters.add(wake)  # wake the loop when the wake ends, even if it failed
@@ -170,6 +191,9 @@ class Proxy:
     def _lookup(self, model: str) -> ModelEntry:
         entry = self.registry.lookup(model)
         if entry is None:
+            if not self.synced():
+                raise Reject(503, f"The router is still loading its model list; retry (model '{model}').",
+                             UNAVAILABLE, retry_after=1, reason="loading")
             available = self.registry.state.model_names()
             raise Reject(404, f"The model '{model}' does not exist. Available models: "
                               f"{', '.join(available) if available else '(none)'}.", NOT_FOUND,
