@@ -12,14 +12,13 @@ For one LLMService, ``AdapterSync.sync(llm)``:
 
 No Pod is restarted: the adapter list is outside the spec hash. ``AdapterSyncLoop`` runs
 ``sync`` for every LLMService with ``spec.lora`` on an interval (started once, like the
-autoscaler's loop), which is also what picks up restarted or woken replicas; the handlers
-call ``sync`` right after a reconcile so a spec change applies at once.
+autoscaler's loop), which is also what picks up restarted or woken replicas; a kopf handler
+calls ``sync`` when spec.lora changes so a spec change applies at once.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import logging
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -28,7 +27,7 @@ from typing import Any, Awaitable, Callable, Mapping
 import httpx
 
 from . import labels as L
-from .api.types import LLMServiceSpec, OperatorConfig
+from .api.types import OperatorConfig
 from .api.validation import parse_spec
 from .engine_client import EngineClient, EngineError
 from .loops import run_rounds
@@ -46,6 +45,7 @@ from .reconcile.adapters import (
     pod_is_ready,
 )
 from .scaling.controller import ClusterApi
+from .secret_refs import engine_api_key
 
 log = logging.getLogger("tidal.adapters")
 
@@ -92,20 +92,6 @@ class AdapterSync:
             await self._http.aclose()
             self._http = None
 
-    async def _api_key(self, namespace: str, spec: LLMServiceSpec) -> str | None:
-        # Same Secret the engine reads; the value is never logged.
-        if spec.auth is None:
-            return None
-        ref = spec.auth.api_key_secret_ref
-        secret = await self.cluster.read_secret(namespace, ref.name)
-        if secret is None:
-            return None
-        value = (secret.get("data") or {}).get(ref.key)
-        if value:
-            return base64.b64decode(value).decode().strip()
-        plain = (secret.get("stringData") or {}).get(ref.key)
-        return plain.strip() if isinstance(plain, str) else None
-
     async def sync(self, llm: Mapping[str, Any]) -> SyncOutcome | None:
         """One pass for one LLMService body. None when it has no (valid) LoRA spec."""
         meta = llm.get("metadata") or {}
@@ -117,7 +103,7 @@ class AdapterSync:
         pods = [p for p in await self.cluster.list_pods(namespace, L.selector_string(name))
                 if not (p.get("metadata") or {}).get("deletionTimestamp")
                 and (p.get("status") or {}).get("phase") not in ("Failed", "Succeeded")]
-        api_key = await self._api_key(namespace, spec)
+        api_key = await engine_api_key(self.cluster.read_secret, namespace, spec)
         port = spec.engine.port
         outcome = SyncOutcome({}, {}, {}, {})
         results = await asyncio.gather(*(self._sync_pod(namespace, pod, port, api_key, targets, outcome)

@@ -57,7 +57,7 @@ DEFAULT_PEERING = "tidal-operator"
 def run_operator(argv: Sequence[str]) -> int:
     args = operator_arg_parser().parse_args(argv)
     # The handlers read their configuration from the environment (so plain `kopf run` works too).
-    from .handlers import ENV_ADAPTER_PREFIXES, ENV_DEFAULT_IMAGE, ENV_FILE_ROOTS, ENV_NAMESPACE, ENV_RESYNC
+    from .controller.env import ENV_ADAPTER_PREFIXES, ENV_DEFAULT_IMAGE, ENV_FILE_ROOTS, ENV_NAMESPACE, ENV_RESYNC
     if args.kubeconfig:
         os.environ["KUBECONFIG"] = os.path.abspath(args.kubeconfig)
     if args.default_engine_image:

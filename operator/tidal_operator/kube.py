@@ -1,4 +1,4 @@
-"""Thin async access to the Kubernetes API for the operator's handlers.
+"""Thin async access to the Kubernetes API for the operator (controller/, handlers.py).
 
 Plain dicts in and out (the JSON the API speaks), no model classes: the reconcile functions
 work on dicts, and skipping the client's deserialisation keeps 100 LLMServices cheap.

@@ -742,7 +742,7 @@ def operator_env(objs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def test_operator_configuration_reaches_what_the_handlers_read() -> None:
-    from tidal_operator import handlers
+    from tidal_operator.controller import env as handlers
     from tidal_operator.scaling import controller
 
     env = operator_env(render({"engine": {"image": {"repository": "registry.local/tidal-engine", "tag": "cu128"}}}))

@@ -1,6 +1,6 @@
-"""The operator's reconcile pass (handlers.reconcile) against the in-process emulated API
+"""The operator's reconcile pass (controller/llmservice.py) against the in-process emulated API
 server, without kopf or a kubelet: Pod readiness is written by the test. Plus the small pure
-helpers of handlers.py."""
+helpers of controller/."""
 
 from __future__ import annotations
 
@@ -11,9 +11,15 @@ from typing import Any, AsyncIterator
 
 import pytest
 
-from tidal_operator import handlers as H
 from tidal_operator import labels as L
 from tidal_operator.api.types import OperatorConfig
+from tidal_operator.controller import env as E
+from tidal_operator.controller import llmservice as H
+from tidal_operator.controller.ownership import owned_by, owner_name, replica_index
+from tidal_operator.controller.peering import PeeringGate
+from tidal_operator.controller.reconciler import Reconciler
+from tidal_operator.reconcile.manifests import pod_manifest
+from tidal_operator.secret_refs import referenced_secrets, secret_value
 from tidal_operator.dev import start_apiserver, write_kubeconfig
 from tidal_operator.kube import Kube
 
@@ -97,7 +103,7 @@ async def test_restart_mid_plan_creates_only_the_missing_pods(kube: Kube) -> Non
     """What an operator killed after its first create leaves behind: one of three Pods. The
     next pass (a restarted operator) creates exactly the other two."""
     llm = await create(kube, body(replicas=3))
-    first = H.pod_manifest(llm, 0, CONFIG)
+    first = pod_manifest(llm, 0, CONFIG)
     assert await kube.create_pod(NS, first)
     outcome = await run(kube)
     assert outcome is not None and len(outcome.created) == 2
@@ -175,7 +181,7 @@ async def test_gone_or_deleting_llmservice_is_left_to_the_garbage_collector(kube
 
 async def test_reconciler_coalesces_concurrent_triggers(kube: Kube) -> None:
     await create(kube, body())
-    reconciler = H.Reconciler(kube, CONFIG)
+    reconciler = Reconciler(kube, CONFIG)
     outcomes = await asyncio.gather(*(reconciler.run(NS, "m") for _ in range(5)))
     ran = [o for o in outcomes if o is not None]
     assert 1 <= len(ran) <= 2  # the running pass, plus at most one queued behind it
@@ -187,18 +193,24 @@ async def test_reconciler_coalesces_concurrent_triggers(kube: Kube) -> None:
 
 def test_referenced_secrets_reads_invalid_specs_leniently() -> None:
     spec = {"auth": {"apiKeySecretRef": {"name": "a"}}, "model": {"uri": "x", "hfTokenSecretRef": {"name": "h"}}}
-    assert H.referenced_secrets(spec) == ["a", "h"]
-    assert H.referenced_secrets({"auth": "nonsense", "model": None}) == []
+    assert referenced_secrets(spec) == ["a", "h"]
+    assert referenced_secrets({"auth": "nonsense", "model": None}) == []
+
+
+def test_secret_value_decodes_data_and_reads_string_data() -> None:
+    secret = {"data": {"k": "IHMzY3JldAo="}, "stringData": {"p": " plain "}}  # " s3cret\n"
+    assert secret_value(secret, "k") == "s3cret" and secret_value(secret, "p") == "plain"
+    assert secret_value(secret, "absent") is None and secret_value({}, "k") is None
 
 
 def test_owner_name_and_replica_index() -> None:
     pod = {"metadata": {"ownerReferences": [{"apiVersion": "tidal.dev/v1alpha1", "kind": "LLMService", "name": "m",
                                              "uid": "u", "controller": True}]}}
-    assert H.owner_name(pod) == "m" and H.owned_by(pod, "u") and not H.owned_by(pod, "v")
-    assert H.owner_name({"metadata": {}}) is None
-    assert H.replica_index("m-0123456789-4", "m", "0123456789") == 4
-    assert H.replica_index("m-0123456789-x", "m", "0123456789") is None
-    assert H.replica_index("other-0123456789-1", "m", "0123456789") is None
+    assert owner_name(pod) == "m" and owned_by(pod, "u") and not owned_by(pod, "v")
+    assert owner_name({"metadata": {}}) is None
+    assert replica_index("m-0123456789-4", "m", "0123456789") == 4
+    assert replica_index("m-0123456789-x", "m", "0123456789") is None
+    assert replica_index("other-0123456789-1", "m", "0123456789") is None
 
 
 def test_status_patch_sets_changes_and_clears_stale_fields() -> None:
@@ -218,11 +230,11 @@ def test_status_patch_leaves_desired_replicas_to_the_autoscaler_when_it_owns_the
 
 
 def test_config_from_env() -> None:
-    config = H.config_from_env({H.ENV_DEFAULT_IMAGE: "img:1", H.ENV_ADAPTER_PREFIXES: "hf://, s3://",
-                                H.ENV_NAMESPACE: "ml"})
+    config = E.config_from_env({E.ENV_DEFAULT_IMAGE: "img:1", E.ENV_ADAPTER_PREFIXES: "hf://, s3://",
+                                E.ENV_NAMESPACE: "ml"})
     assert config.default_engine_image == "img:1" and config.allowed_adapter_uri_prefixes == ("hf://", "s3://")
     assert config.namespace == "ml" and config.allowed_file_roots == ()
-    assert H.config_from_env({}) == OperatorConfig()
+    assert E.config_from_env({}) == OperatorConfig()
 
 
 def test_peering_gate_yields_to_a_live_higher_priority_peer() -> None:
@@ -244,7 +256,7 @@ def test_peering_gate_yields_to_a_live_higher_priority_peer() -> None:
              ({"other": {"priority": 20, "lastseen": old, "lifetime": 60}}, True),
              ({"other": {"priority": 5, "lastseen": now, "lifetime": 60}}, True)]
     for status, active in cases:
-        gate = H.PeeringGate(FakeKube(status), settings, "me")  # type: ignore[arg-type]
+        gate = PeeringGate(FakeKube(status), settings, "me")  # type: ignore[arg-type]
         assert asyncio.run(gate.active()) is active, status
     settings.peering.standalone = True
-    assert asyncio.run(H.PeeringGate(FakeKube({"x": {"priority": 99, "lastseen": now}}), settings, "me").active())  # type: ignore[arg-type]
+    assert asyncio.run(PeeringGate(FakeKube({"x": {"priority": 99, "lastseen": now}}), settings, "me").active())  # type: ignore[arg-type]

@@ -368,14 +368,14 @@ async def test_router_demand_client_sums_routers_and_any_failure_is_unknown() ->
 
 async def test_a_decision_replans_pods_through_the_handlers_reconcile(cluster: Cluster) -> None:
     """With the handlers' real reconcile: 1 Pod under load → 3 Pods, and a later reconcile
-    keeps the autoscaler's count (HOOKS.desired_replicas) without writing it itself."""
+    keeps the autoscaler's count (Reconciler.desired_replicas) without writing it itself."""
     from tidal_operator.api.types import OperatorConfig
-    from tidal_operator.handlers import Hooks, Reconciler
+    from tidal_operator.controller.reconciler import Reconciler
 
     async with engines(ScalingTestEngine(running=9)) as port:
         await cluster.llm("m", port=port, autoscaling=AUTOSCALING)
         runtime = AutoscalerRuntime(cluster.api, ScalingConfig(interval_s=1))
-        reconciler = Reconciler(cluster.kube, OperatorConfig(), hooks=Hooks(desired_replicas=runtime.desired_replicas))
+        reconciler = Reconciler(cluster.kube, OperatorConfig(), desired_replicas=runtime.desired_replicas)
         runtime.on_change = lambda ns, name: reconciler.run(ns, name, ensure_service=False)
         try:
             await reconciler.run(NS, "m")

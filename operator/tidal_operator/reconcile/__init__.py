@@ -1,5 +1,5 @@
 """Pure reconciliation logic: spec -> manifests, observed Pods -> plan, observed -> status.
-The kopf handlers do the I/O and call these."""
+controller/ does the I/O and calls these."""
 
 from .manifests import engine_args, pod_manifest, pod_name, service_manifest, spec_hash
 from .pods import PodPlan, PodToCreate, PodView, plan_pods

@@ -13,7 +13,7 @@ autoscaling or a sleep policy. Each tick:
 5. sleeps / wakes engines through their API and keeps each Pod's `tidal.dev/sleep-state`
    label and `tidal.dev/idle-since` annotation true.
 
-The Pod planner (reconcile/pods.py, run by the handlers) turns status.desiredReplicas into
+The Pod planner (reconcile/pods.py, run by the reconcile) turns status.desiredReplicas into
 Pods and deletes sleeping Pods first when it scales down, so "remove an idle Pod" is a lower
 desiredReplicas, not a delete from here. Everything the loop needs after a restart is in
 status and on the Pods; only the metric history is in memory, and an empty history blocks
@@ -23,7 +23,6 @@ both directions until the windows are observed again (decide.py).
 from __future__ import annotations
 
 import asyncio
-import base64
 import logging
 import os
 import time
@@ -42,6 +41,7 @@ from ..engine_client import EngineClient, EngineError, EngineMetrics
 from ..loops import run_rounds
 from ..reconcile.pods import PodView, parse_time
 from ..reconcile.status import desired_replicas, pod_stuck_reason
+from ..secret_refs import engine_api_key
 from .decide import Decision, Reading, ScalingState, decide_replicas, metric_value
 from .idle import IDLE_SINCE_ANNOTATION, LEVEL_OF_STATE, STATE_OF_LEVEL, IdleAction, ReplicaIdleView, plan_idle
 from .scraper import Scraper, ScrapeTarget
@@ -231,7 +231,7 @@ class ServiceAutoscaler:
         self.demand = demand or NoDemand()
         self.config = config or ScalingConfig()
         self.clock = clock
-        self.on_change = on_change  # called after desiredReplicas changed (the handlers re-plan Pods)
+        self.on_change = on_change  # called after desiredReplicas changed (the reconciler re-plans Pods)
         self._http = http  # for engine admin calls; None: one client per call
         self.history: deque[Reading] = deque()
         self.desired: int | None = None  # what this loop last wrote to status.desiredReplicas
@@ -239,19 +239,6 @@ class ServiceAutoscaler:
         self._levels: dict[str, int] = {}  # sleep level per Pod at the end of the previous round
 
     # -- reading the world --
-
-    async def _api_key(self, spec: LLMServiceSpec) -> str | None:
-        if spec.auth is None:
-            return None
-        ref = spec.auth.api_key_secret_ref
-        secret = await self.cluster.read_secret(self.namespace, ref.name)
-        if secret is None:
-            return None
-        value = (secret.get("data") or {}).get(ref.key)
-        if value:
-            return base64.b64decode(value).decode().strip()
-        plain = (secret.get("stringData") or {}).get(ref.key)
-        return plain.strip() if isinstance(plain, str) else None
 
     def _busy(self, pod: str, metrics: EngineMetrics | None) -> bool | None:
         if metrics is None or metrics.in_flight is None:
@@ -298,7 +285,7 @@ class ServiceAutoscaler:
                 alive.append((p, v))
         ready = [(p, v) for p, v in alive if v.ready and (p.get("status") or {}).get("podIP")]
 
-        api_key = await self._api_key(spec)
+        api_key = await engine_api_key(self.cluster.read_secret, self.namespace, spec)
         port = spec.engine.port
         urls = {v.name: f"http://{p['status']['podIP']}:{port}" for p, v in ready}
         result.metrics = await self.scraper.scrape(ScrapeTarget(name, url, api_key) for name, url in urls.items())
@@ -380,7 +367,7 @@ class ServiceAutoscaler:
             if decision.changed or status.get("desiredReplicas") != decision.desired:
                 patch["desiredReplicas"] = decision.desired
         if decision is not None:
-            # Before the write: a reconcile running meanwhile asks for it (HOOKS.desired_replicas).
+            # Before the write: a reconcile running meanwhile asks for it (Reconciler.desired_replicas).
             self.desired = decision.desired
         if patch:
             await self.cluster.patch_llmservice_status(self.namespace, self.name, patch)
@@ -393,7 +380,7 @@ class ServiceAutoscaler:
         if "desiredReplicas" in patch and self.on_change is not None:
             try:
                 await self.on_change(self.namespace, self.name)
-            except Exception as exc:  # the handlers' resync catches up
+            except Exception as exc:  # the resync catches up
                 log.warning("re-planning %s/%s after scaling failed: %r", self.namespace, self.name, exc)
 
         # -- act on the engines --
@@ -460,7 +447,7 @@ class ServiceAutoscaler:
         await self._event(llm, "ReplicaWoken", f"pod {action.pod}: {action.reason}")
 
 
-# --- operator-wide runtime (what the handlers' hook holds) ---------------------------------------
+# --- operator-wide runtime (composed in controller/runtime.py) ---------------------------------------
 
 def wants_loop(llm: Mapping[str, Any]) -> bool:
     """Whether an LLMService needs the loop: builtin autoscaling, or a sleep policy. Read
@@ -501,7 +488,7 @@ class AutoscalerRuntime:
         return self.services[key]
 
     async def desired_replicas(self, llm: Mapping[str, Any], spec: LLMServiceSpec, pods: Any) -> int | None:
-        """For handlers.HOOKS.desired_replicas: this loop's latest decision (builtin mode), so
+        """For Reconciler.desired_replicas: this loop's latest decision (builtin mode), so
         a reconcile that read an older status never writes an older desiredReplicas back."""
         if spec.autoscaling is None or spec.autoscaling.mode != "builtin":
             return None

@@ -1,0 +1,186 @@
+"""One reconcile pass for one LLMService: validate, ensure the Service, repair drift, plan and
+act on Pods, write status.
+
+`reconcile()` is idempotent and every trigger calls it. State lives only in the cluster: Pod
+names are deterministic and a retried create answers AlreadyExists, so an operator killed
+mid-pass and restarted recomputes the same plan and creates nothing twice. No finalizer: Pods
+and the Service carry ownerReferences and the garbage collector removes them with the
+LLMService. See docs/operator.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any, Awaitable, Callable, Mapping
+
+from .. import labels as L
+from ..api.types import LLMServiceSpec, OperatorConfig
+from ..api.validation import ValidationProblem, parse_spec, validate_spec
+from ..kube import Kube
+from ..reconcile.manifests import CONTAINER_NAME, metadata_drift, pod_manifest, service_manifest, spec_hash
+from ..reconcile.pods import PodView, plan_pods
+from ..reconcile.status import compute_status, desired_replicas
+from ..secret_refs import referenced_secrets
+from .ownership import owned_by, replica_index
+
+Obj = dict[str, Any]
+
+# `desired_replicas(llm, spec, pods)`: the replica count to reconcile to, or None for the
+# default (spec.replicas, or status.desiredReplicas). The builtin autoscaler provides one.
+DesiredReplicasFn = Callable[[Obj, LLMServiceSpec, list[Obj]], Awaitable["int | None"]]
+
+# Status fields compute_status owns. One it leaves out this time (the endpoint of a spec
+# that became invalid) is removed, so status never shows something stale. desiredReplicas
+# is left alone: the autoscaler's decision survives an invalid spec.
+OWNED_STATUS_FIELDS = ("observedGeneration", "phase", "replicas", "readyReplicas", "updatedReplicas",
+                       "sleepingReplicas", "replicasText", "selector", "servedModelName", "specHash",
+                       "endpoint", "podEndpoints", "conditions")
+
+
+@dataclass(frozen=True)
+class Outcome:
+    valid: bool
+    converged: bool
+    created: tuple[str, ...] = ()
+    deleted: tuple[str, ...] = ()
+    repaired: tuple[str, ...] = ()
+
+
+def spec_drifted(desired: Mapping[str, Any], actual: Mapping[str, Any]) -> bool:
+    """A hand-edited engine container (image, command, args): the Pod must be replaced, since
+    a Pod's spec can't be put back in place."""
+    def engine(pod: Mapping[str, Any]) -> Mapping[str, Any]:
+        containers = (pod.get("spec") or {}).get("containers") or []
+        return next((c for c in containers if c.get("name") == CONTAINER_NAME), {})
+    want, have = engine(desired), engine(actual)
+    return any(want.get(k) != have.get(k) for k in ("image", "command", "args"))
+
+
+def status_patch(new: Mapping[str, Any], old: Mapping[str, Any], *, autoscaler_owns_desired: bool = False) -> Obj | None:
+    """The merge patch from `old` to `new` over the fields compute_status owns; None if equal.
+    `status.desiredReplicas` has one writer: the builtin autoscaler when it runs for this
+    LLMService (`autoscaler_owns_desired`), else the reconcile (spec.replicas, HPA, KEDA)."""
+    patch: Obj = {}
+    for key in OWNED_STATUS_FIELDS:
+        if key in new:
+            if old.get(key) != new[key]:
+                patch[key] = new[key]
+        elif old.get(key) is not None:
+            patch[key] = None
+    if not autoscaler_owns_desired and "desiredReplicas" in new and old.get("desiredReplicas") != new["desiredReplicas"]:
+        patch["desiredReplicas"] = new["desiredReplicas"]
+    return patch or None
+
+
+def condition(status: Mapping[str, Any], type_: str) -> Mapping[str, Any]:
+    return next((c for c in status.get("conditions") or [] if c.get("type") == type_), {})
+
+
+async def reconcile(kube: Kube, config: OperatorConfig, namespace: str, name: str, *,
+                    ensure_service: bool = True, now: datetime | None = None,
+                    desired_replicas_fn: DesiredReplicasFn | None = None) -> Outcome | None:
+    """Make the cluster match one LLMService, then say so in its status. Idempotent; safe to
+    call at any time, any number of times. Returns None if the LLMService is gone or going."""
+    llm = await kube.get_llmservice(namespace, name)
+    if llm is None or llm["metadata"].get("deletionTimestamp"):
+        return None  # the garbage collector removes what it owned
+    now = now or datetime.now(timezone.utc)
+    meta, raw_spec = llm["metadata"], llm.get("spec") or {}
+    uid, generation = meta["uid"], meta.get("generation")
+    old_status = llm.get("status") or {}
+
+    # 1. Validate, Secrets included (existence only).
+    existing = {s: await kube.secret_exists(namespace, s) for s in referenced_secrets(raw_spec)}
+    problems = validate_spec(raw_spec, name=name, namespace=namespace,
+                             secret_lookup=lambda secret: existing.get(secret, True), config=config)
+    pods = [p for p in await kube.list_pods(namespace, L.selector_string(name)) if owned_by(p, uid)]
+    if problems:
+        await write_invalid_status(kube, config, llm, pods, problems, generation, now)
+        return Outcome(valid=False, converged=False)
+    if condition(old_status, "Validated").get("status") == "False":
+        await kube.post_event(llm, type_="Normal", reason="Validated", message="the spec is valid again: reconciling")
+    spec, _ = parse_spec(raw_spec)
+    assert spec is not None
+
+    # 2. The headless Service.
+    if ensure_service:
+        await ensure_service_for(kube, config, llm)
+
+    # 3. Drift: restore operator-owned labels/annotations; a hand-edited container is replaced.
+    hash_ = spec_hash(spec, config)
+    views: list[PodView] = []
+    repaired: list[str] = []
+    for pod in pods:
+        view = PodView.from_pod(pod)
+        index = replica_index(view.name, name, hash_) if view.spec_hash == hash_ else None
+        if index is not None and not view.deleting:
+            desired_pod = pod_manifest(llm, index, config)
+            patch = metadata_drift(desired_pod, pod).patch()
+            if patch:
+                await kube.patch_pod(namespace, view.name, patch)
+                repaired.append(view.name)
+            if spec_drifted(desired_pod, pod):
+                view = PodView(**{**view.__dict__, "spec_hash": ""})  # rolled like an old Pod
+        views.append(view)
+    if repaired:
+        await kube.post_event(llm, type_="Normal", reason="RepairedPodMetadata",
+                              message=f"restored operator-owned labels/annotations on {', '.join(repaired)}")
+
+    # 4. Plan and act: deletes first (they free surge room), then creates.
+    desired = await desired_replicas_fn(llm, spec, pods) if desired_replicas_fn else None
+    want = desired if desired is not None else desired_replicas(spec, old_status)
+    plan = plan_pods(want, hash_, views, llm_name=name)
+    uids = {p["metadata"]["name"]: p["metadata"].get("uid") for p in pods}
+    deleted = [n for n in plan.delete if await kube.delete_pod(namespace, n, uids.get(n))]
+    created = [c.name for c in plan.create if await kube.create_pod(namespace, pod_manifest(llm, c.index, config))]
+    for n in deleted:
+        why = "rolling update" if plan.rolling else "not wanted"
+        await kube.post_event(llm, type_="Normal", reason="DeletedPod", message=f"deleted pod {n} ({why})")
+    for n in created:
+        await kube.post_event(llm, type_="Normal", reason="CreatedPod", message=f"created pod {n}")
+    if not plan.empty:
+        pods = [p for p in await kube.list_pods(namespace, L.selector_string(name)) if owned_by(p, uid)]
+
+    # 5. Status: what is true now.
+    status = compute_status(llm, pods, [], generation, now, config=config, desired=want)
+    builtin = spec.autoscaling is not None and spec.autoscaling.mode == "builtin"
+    patch = status_patch(status, old_status, autoscaler_owns_desired=builtin and desired_replicas_fn is not None)
+    if patch:
+        await kube.patch_llmservice_status(namespace, name, patch)
+    degraded, was_degraded = condition(status, "Degraded"), condition(old_status, "Degraded")
+    if degraded.get("status") == "True" and (was_degraded.get("status") != "True"
+                                              or was_degraded.get("reason") != degraded.get("reason")):
+        await kube.post_event(llm, type_="Warning", reason=str(degraded.get("reason")), message=str(degraded.get("message")))
+    converged = plan.empty and status.get("phase") == "Ready"
+    return Outcome(valid=True, converged=converged, created=tuple(created), deleted=tuple(deleted),
+                   repaired=tuple(repaired))
+
+
+async def write_invalid_status(kube: Kube, config: OperatorConfig, llm: Obj, pods: list[Obj],
+                               problems: list[ValidationProblem], generation: int | None, now: datetime) -> None:
+    """Validated=False and one Warning Event per distinct message. Existing Pods keep
+    running: a typo in an edit must not take a serving model down."""
+    meta = llm["metadata"]
+    old_status = llm.get("status") or {}
+    status = compute_status(llm, pods, problems, generation, now, config=config)
+    patch = status_patch(status, old_status)
+    if patch:
+        await kube.patch_llmservice_status(meta["namespace"], meta["name"], patch)
+    before, after = condition(old_status, "Validated"), condition(status, "Validated")
+    if before.get("status") != "False" or before.get("message") != after.get("message"):
+        await kube.post_event(llm, type_="Warning", reason="InvalidSpec", message=str(after.get("message")))
+
+
+async def ensure_service_for(kube: Kube, config: OperatorConfig, llm: Obj) -> None:
+    desired = service_manifest(llm, config)
+    namespace, name = desired["metadata"]["namespace"], desired["metadata"]["name"]
+    current = await kube.get_service(namespace, name)
+    if current is None:
+        if await kube.create_service(namespace, desired):
+            await kube.post_event(llm, type_="Normal", reason="CreatedService", message=f"created service {name}")
+        return
+    have, want = current.get("spec") or {}, desired["spec"]
+    if have.get("selector") != want["selector"] or have.get("ports") != want["ports"]:
+        # Selector and ports only: clusterIP is immutable, and other fields may be defaulted.
+        await kube.patch_service(namespace, name, {"spec": {"selector": want["selector"], "ports": want["ports"]}})
