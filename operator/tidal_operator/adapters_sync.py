@@ -43,6 +43,7 @@ from .reconcile.adapters import (
     plan_replica,
     pod_annotation,
     pod_is_ready,
+    predates_lora,
 )
 from .scaling.controller import ClusterApi
 from .secret_refs import engine_api_key
@@ -103,6 +104,12 @@ class AdapterSync:
         pods = [p for p in await self.cluster.list_pods(namespace, L.selector_string(name))
                 if not (p.get("metadata") or {}).get("deletionTimestamp")
                 and (p.get("status") or {}).get("phase") not in ("Failed", "Succeeded")]
+        rolling_out = [p for p in pods if predates_lora(p, spec, self.operator_config)]
+        pods = [p for p in pods if p not in rolling_out]
+        for old in rolling_out:  # announce it serves none, so the router sends it no adapter request
+            if L.ADAPTERS not in ((old.get("metadata") or {}).get("annotations") or {}):
+                await self.cluster.patch_pod(namespace, old["metadata"]["name"],
+                                             {"metadata": {"annotations": {L.ADAPTERS: annotation_value({})}}})
         api_key = await engine_api_key(self.cluster.read_secret, namespace, spec)
         port = spec.engine.port
         outcome = SyncOutcome({}, {}, {}, {})

@@ -208,6 +208,25 @@ async def test_unready_replica_is_announced_with_no_adapters(engines: dict[str, 
     await sync.sync(cluster.llm)
 
 
+async def test_adding_lora_leaves_the_old_pods_of_the_roll_alone(engines: dict[str, LiveServer]) -> None:
+    # spec.lora was just added: m-old (an older spec hash, its engine started without
+    # --enable-lora) is being replaced. It is not asked to load anything, so no "LoRA is not
+    # enabled" Warning; it is announced with no adapters so the router sends it none.
+    old = pod("m-abc-1")
+    old["metadata"]["name"] = "m-old-0"
+    old["metadata"]["annotations"][L.SPEC_HASH] = "0123456789"
+    old["spec"] = {"containers": [{"name": "engine", "args": ["serve", "--model", "/models/m"]}]}
+    cluster = FakeCluster(llmservice([{"name": "sql", "uri": uri("good")}]), [pod("m-abc-0"), old])
+    sync = make_sync(cluster, engines)
+    outcome = await sync.sync(cluster.llm)
+    assert outcome is not None and outcome.loaded == {"m-abc-0": ["sql"]} and outcome.errors == {}
+    assert [e for e in cluster.events if e[0] == "Warning"] == []
+    assert parse_annotation(cluster.pods["m-old-0"]["metadata"]["annotations"][L.ADAPTERS]) == {}
+    assert [r["pod"] for r in cluster.llm["status"]["adapters"][0]["replicas"]] == ["m-abc-0"]
+    cluster.llm["spec"]["lora"]["adapters"] = []
+    await sync.sync(cluster.llm)
+
+
 async def test_conditions_written_meanwhile_are_not_reverted(engines: dict[str, LiveServer]) -> None:
     import copy
 

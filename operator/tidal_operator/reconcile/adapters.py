@@ -26,7 +26,7 @@ from typing import Any, Iterable, Mapping, Sequence
 from .. import labels as L
 from ..api.types import LLMServiceSpec, OperatorConfig
 from ..api.validation import check_adapter_uri
-from .manifests import MODELS_ROOT
+from .manifests import MODELS_ROOT, spec_hash
 from .status import _condition
 
 CONDITION_TYPE = "AdaptersReady"
@@ -257,3 +257,14 @@ def pod_is_ready(pod: Mapping[str, Any]) -> bool:
 
 def pod_annotation(pod: Mapping[str, Any]) -> dict[str, str]:
     return parse_annotation(((pod.get("metadata") or {}).get("annotations") or {}).get(L.ADAPTERS))
+
+
+def predates_lora(pod: Mapping[str, Any], spec: LLMServiceSpec, config: OperatorConfig | None = None) -> bool:
+    """A Pod of an older spec whose engine was started without --enable-lora: the roll replaces
+    it, and asking it to load adapters could only fail (and warn about it)."""
+    previous = ((pod.get("metadata") or {}).get("annotations") or {}).get(L.SPEC_HASH)
+    if not previous or previous == spec_hash(spec, config):
+        return False
+    argv = [a for c in (pod.get("spec") or {}).get("containers") or [] for a in [*(c.get("command") or []),
+                                                                               *(c.get("args") or [])]]
+    return "--enable-lora" not in argv

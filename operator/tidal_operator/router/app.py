@@ -85,7 +85,8 @@ def models_payload(registry: Registry) -> dict[str, Any]:
                 "tidal": {"llmservice": entry.llmservice, "namespace": entry.namespace,
                           "replicas": len(entry.replicas), "ready": ready, "awake": awake}}
         data.append({"id": entry.served_name, "parent": None, **base})
-        for adapter in sorted(entry.adapters):
+        failed = dict(entry.failed_adapters)
+        for adapter in sorted(entry.adapters - failed.keys()):  # a failed adapter is not served
             data.append({"id": adapter, "parent": entry.served_name, **base})
     return {"object": "list", "data": data}
 

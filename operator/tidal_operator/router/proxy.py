@@ -146,6 +146,7 @@ class Proxy:
         entry = self._lookup(model)
         if entry.routable():
             return entry
+        self._fail_fast(entry)
         if self.draining.is_set():
             raise self._shutting_down(model)
         try:
@@ -161,6 +162,7 @@ class Proxy:
                 entry = self._lookup(model)
                 if entry.routable():
                     return entry
+                self._fail_fast(entry)
                 if self.draining.is_set():
                     raise self._shutting_down(model)
                 waiters: set[asyncio.Future[Any]] = {asyncio.ensure_future(self.registry.wait_changed(version)),
@@ -187,6 +189,14 @@ class Proxy:
                          retry_after=self.config.retry_after_s, reason="timeout") from None
         finally:
             self.demand.release(held)
+
+    def _fail_fast(self, entry: ModelEntry) -> None:
+        """No holding for what cannot get a replica without a change: answer now, with why."""
+        why = entry.failure()
+        if why is not None:
+            self.metrics.rejected.labels(entry.model_name, "not_servable").inc()
+            raise Reject(503, f"Model '{entry.model_name}' is unavailable: {why}", UNAVAILABLE,
+                         code="model_not_servable", reason="not_servable")
 
     def _lookup(self, model: str) -> ModelEntry:
         entry = self.registry.lookup(model)

@@ -81,6 +81,11 @@ class ServiceView:
     adapters: frozenset[str] = frozenset()
     routing_strategy: RoutingStrategyName = "leastLoad"
     api_key_secret: SecretRef | None = None
+    # "<reason>: <message>" when its status says it cannot become Ready without a change
+    # (an invalid spec, a served name another namespace holds): requests fail fast.
+    not_servable: str | None = None
+    # Adapters whose load failed on every replica: (name, first error) pairs.
+    failed_adapters: tuple[tuple[str, str], ...] = ()
 
     @property
     def key(self) -> Key:
@@ -99,6 +104,8 @@ class ModelEntry:
     api_key_secret: SecretRef | None
     replicas: tuple[Replica, ...]
     adapter: str | None = None  # set when the request named an adapter, not the base model
+    not_servable: str | None = None
+    failed_adapters: tuple[tuple[str, str], ...] = ()
 
     @property
     def model_name(self) -> str:
@@ -113,6 +120,17 @@ class ModelEntry:
 
     def routable(self) -> tuple[Replica, ...]:
         return tuple(r for r in self.eligible() if r.routable)
+
+    def failure(self) -> str | None:
+        """Why no replica can serve this model until something changes; None if one may."""
+        if self.not_servable:
+            return f"LLMService {self.namespace}/{self.llmservice} cannot become ready: {self.not_servable}"
+        if self.adapter is not None:
+            error = dict(self.failed_adapters).get(self.adapter)
+            if error is not None:
+                return (f"LoRA adapter '{self.adapter}' of LLMService {self.namespace}/{self.llmservice} failed to "
+                        f"load on every replica: {error}")
+        return None
 
     def wakeable(self) -> tuple[Replica, ...]:
         return tuple(r for r in self.eligible() if r.wakeable)
@@ -161,7 +179,7 @@ class RegistryState:
         return ModelEntry(llmservice=svc.name, namespace=svc.namespace, served_name=svc.served_name,
                           adapters=svc.adapters, routing_strategy=svc.routing_strategy,
                           api_key_secret=svc.api_key_secret, replicas=self.replicas_of(svc.namespace, svc.name),
-                          adapter=adapter)
+                          adapter=adapter, not_servable=svc.not_servable, failed_adapters=svc.failed_adapters)
 
     def model_names(self) -> list[str]:
         names: set[str] = set()
@@ -175,6 +193,36 @@ class RegistryState:
 
 
 # --- reading objects ------------------------------------------------------------------
+
+# Ready=False reasons that no wait can fix: the spec (or another namespace) must change.
+NOT_SERVABLE_REASONS = frozenset({"InvalidSpec", "ServedNameConflict"})
+
+
+def _not_servable(meta: Mapping[str, Any], status: Mapping[str, Any]) -> str | None:
+    for cond in status.get("conditions") or []:
+        if not isinstance(cond, Mapping) or cond.get("type") != "Ready" or cond.get("status") != "False":
+            continue
+        seen = cond.get("observedGeneration")
+        if seen is not None and meta.get("generation") is not None and seen != meta["generation"]:
+            return None  # written for an older spec: the new one may be fine
+        if cond.get("reason") in NOT_SERVABLE_REASONS:
+            return f"{cond['reason']}: {cond.get('message') or ''}".rstrip(": ")
+    return None
+
+
+def _failed_adapters(status: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
+    """Adapters with an error and no replica that loaded them (status.adapters, written by
+    the operator's LoRA sync)."""
+    out = []
+    for entry in status.get("adapters") or []:
+        if not isinstance(entry, Mapping) or not entry.get("name"):
+            continue
+        replicas = [r for r in entry.get("replicas") or [] if isinstance(r, Mapping)]
+        errors = [str(e) for e in entry.get("errors") or []]
+        if errors and not entry.get("loadedReplicas") and all(r.get("state") == "Failed" for r in replicas):
+            out.append((str(entry["name"]), errors[0]))
+    return tuple(sorted(out))
+
 
 def service_from_object(obj: Mapping[str, Any]) -> ServiceView:
     """Read an LLMService body leniently: the router must keep routing even if a field it
@@ -192,8 +240,10 @@ def service_from_object(obj: Mapping[str, Any]) -> ServiceView:
     ref = ((spec.get("auth") or {}).get("apiKeySecretRef")) or None
     if ref and ref.get("name"):
         secret = SecretRef(namespace, ref["name"], ref.get("key") or DEFAULT_API_KEY_KEY)
+    status = obj.get("status") or {}
     return ServiceView(name=name, namespace=namespace, served_name=model.get("servedName") or name,
-                       adapters=adapters, routing_strategy=strategy, api_key_secret=secret)
+                       adapters=adapters, routing_strategy=strategy, api_key_secret=secret,
+                       not_servable=_not_servable(meta, status), failed_adapters=_failed_adapters(status))
 
 
 def parse_adapters_annotation(value: str | None) -> frozenset[str] | None:
