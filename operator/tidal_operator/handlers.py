@@ -42,8 +42,8 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
     return kopf.login_via_client(**kwargs)
 
 
-@kopf.on.startup()
-async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+def configure_kopf(settings: kopf.OperatorSettings) -> None:
+    """kopf settings the operator needs (label_selectors: kopf 1.45 or later)."""
     # Watch only engine Pods: the label every operator-made Pod has. A Pod whose label is
     # edited away leaves the selection, which the watch reports (DELETED), so it is still seen.
     settings.watching.label_selectors["v1", "pods"] = L.LLMSERVICE
@@ -51,6 +51,11 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logg
     settings.posting.level = logging.WARNING
     # Handlers block on API calls only; keep the retry of a failed reconcile quick.
     settings.batching.error_delays = (1, 2, 5, 10, 30, 60)
+
+
+@kopf.on.startup()
+async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+    configure_kopf(settings)
     config = config_from_env()
     kube = await Kube.connect(os.environ.get(ENV_KUBECONFIG) or None)
     runtime = OperatorRuntime.compose(kube, config, scaling_config_from_env())
