@@ -148,6 +148,7 @@ def test_schema_rejects_what_it_should() -> None:
         {"model": {"uri": "bundled://smollm2-135m"}, "engine": {"resources": {"memory": "lots"}}},
         {"model": {"uri": "bundled://smollm2-135m"}, "autoscaling": {"maxReplicas": 2}},  # no target
         {"model": {"uri": "bundled://smollm2-135m"}, "sleep": {"level": 3}},
+        {"model": {"uri": "bundled://smollm2-135m"}, "rollout": {"maxSurge": -1}},
         {"model": {}},
     ]
     for spec in bad_specs:
@@ -253,6 +254,7 @@ CEL_BAD_CASES = [
     ({**BASE, "sleep": {"level": 2, "deepAfterSeconds": 900}}, "m", "deepAfterSeconds"),
     ({**BASE, "sleep": {"afterIdleSeconds": 600, "removeAfterSeconds": 60}}, "m", "removeAfterSeconds"),
     (BASE, "Bad_Name", "DNS-1035"),
+    ({**BASE, "rollout": {"maxSurge": 0}}, "m", "maxUnavailable"),
 ]
 
 CEL_GOOD_CASES = [
@@ -264,6 +266,7 @@ CEL_GOOD_CASES = [
     ({"model": {"uri": "pvc://models/qwen3"}, "engine": {"resources": {"gpu": 0}}}, "m"),
     ({"model": {"uri": "file:///opt/models/qwen"}}, "m"),
     ({**BASE, "sleep": {"afterIdleSeconds": 60, "deepAfterSeconds": 120, "removeAfterSeconds": 180}}, "m"),
+    ({**BASE, "rollout": {"maxSurge": 0, "maxUnavailable": 1, "progressDeadlineSeconds": 60}}, "m"),
 ]
 
 

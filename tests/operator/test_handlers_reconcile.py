@@ -156,6 +156,33 @@ async def test_rolling_update_keeps_a_ready_pod_until_the_new_one_is_ready(kube:
     assert outcome is not None and outcome.deleted == (old["metadata"]["name"],)
 
 
+async def test_a_crash_looping_new_pod_is_a_visible_stuck_rollout_and_the_old_pod_serves(kube: Kube) -> None:
+    """quantization.weights: fp8 on an engine without fp8: the new Pod crash-loops."""
+    await create(kube, body())
+    await run(kube)
+    (old,) = await pods(kube)
+    await set_ready(kube, old["metadata"]["name"])
+    await run(kube)
+    await kube.request("PATCH", f"/apis/{L.GROUP}/{L.VERSION}/namespaces/{NS}/{L.PLURAL}/m",
+                       content_type="application/merge-patch+json", body={"spec": {"quantization": {"weights": "fp8"}}})
+    (new,) = (await run(kube)).created  # type: ignore[union-attr]
+    await kube.request("PATCH", f"/api/v1/namespaces/{NS}/pods/{new}/status", content_type="application/merge-patch+json",
+                       body={"status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "False"}],
+                                        "containerStatuses": [{"name": "engine", "ready": False, "started": False,
+                                                               "restartCount": 4, "state": {"waiting": {
+                                                                   "reason": "CrashLoopBackOff",
+                                                                   "message": "back-off 1m20s restarting"}}}]}})
+    outcome = await run(kube)
+    assert outcome is not None and outcome.deleted == ()
+    assert old["metadata"]["name"] in {p["metadata"]["name"] for p in await pods(kube)}  # still serving
+    conditions = {c["type"]: c for c in (await kube.get_llmservice(NS, "m"))["status"]["conditions"]}
+    assert conditions["Ready"]["status"] == "True"
+    assert (conditions["Progressing"]["status"], conditions["Progressing"]["reason"]) == ("False", "RolloutStuck")
+    assert (conditions["Degraded"]["status"], conditions["Degraded"]["reason"]) == ("True", "CrashLoopBackOff")
+    (warning,) = await events(kube, "CrashLoopBackOff")
+    assert warning["type"] == "Warning" and new in warning["message"]
+
+
 async def test_label_drift_is_restored_and_container_drift_replaced(kube: Kube) -> None:
     await create(kube, body())
     await run(kube)

@@ -138,6 +138,31 @@ def test_rolling_update_surge_one(desired: int) -> None:
     assert all(p.ready for p in cluster.live())
 
 
+@pytest.mark.parametrize("desired", [1, 2, 4])
+def test_rolling_update_in_place_on_a_full_pool(desired: int) -> None:
+    """maxSurge 0, maxUnavailable 1: never more live Pods than desired (a full GPU pool has
+    no room for a surge Pod, and surge 1 would wait forever), at most one replica down."""
+    cluster = Cluster(fleet(desired, OLD))
+    steps = 0
+    while True:
+        plan = plan_pods(desired, NEW, cluster.view(), llm_name="m", max_surge=0, max_unavailable=1)
+        if plan.empty:
+            break
+        steps += 1
+        assert steps < 10 * desired + 10, "the roll must converge"
+        cluster.apply(plan, NEW)
+        assert len(cluster.live()) <= desired
+        assert cluster.ready_count() >= desired - 1
+        cluster.finish_deletes()
+        cluster.become_ready()
+    assert sorted(p.spec_hash for p in cluster.live()) == [NEW] * desired
+
+
+def test_max_surge_two_creates_two_at_once() -> None:
+    plan = plan_pods(3, NEW, fleet(3, OLD), llm_name="m", max_surge=2)
+    assert len(plan.create) == 2 and plan.delete == ()
+
+
 def test_roll_waits_for_the_new_pod_to_be_ready() -> None:
     pods = fleet(1, OLD)
     plan = plan_pods(1, NEW, pods, llm_name="m")

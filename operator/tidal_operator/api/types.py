@@ -34,6 +34,7 @@ DEFAULT_MEMORY = "2Gi"
 DEFAULT_HF_TOKEN_KEY = "token"
 DEFAULT_API_KEY_KEY = "api-key"
 DEFAULT_REPLICAS = 1  # when neither spec.replicas nor spec.autoscaling is given
+DEFAULT_PROGRESS_DEADLINE_SECONDS = 600
 
 
 class _Model(BaseModel):
@@ -142,6 +143,17 @@ class RoutingSpec(_Model):
     strategy: RoutingStrategy = "leastLoad"
 
 
+class RolloutSpec(_Model):
+    """How a spec change replaces Pods. Counts of Pods (no percentages). maxSurge 1,
+    maxUnavailable 0: a new Pod first, an old one goes once it is Ready. maxSurge 0,
+    maxUnavailable 1: an old Pod goes first (a full GPU pool has no room for a surge Pod)."""
+
+    max_surge: int = Field(default=1, ge=0)
+    max_unavailable: int = Field(default=0, ge=0)
+    # A new Pod not Ready this long after its creation stalls the rollout: Progressing=False.
+    progress_deadline_seconds: int = Field(default=DEFAULT_PROGRESS_DEADLINE_SECONDS, ge=1)
+
+
 class AuthSpec(_Model):
     api_key_secret_ref: ApiKeySecretRef
 
@@ -175,6 +187,7 @@ class LLMServiceSpec(_Model):
     autoscaling: AutoscalingSpec | None = None
     sleep: SleepSpec | None = None  # absent: never sleeps (no --enable-sleep-mode)
     routing: RoutingSpec = Field(default_factory=RoutingSpec)
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec)
     auth: AuthSpec | None = None
     pod_template: PodTemplateSpec = Field(default_factory=PodTemplateSpec)
 

@@ -95,6 +95,7 @@ def validate_spec(
     problems += _check_resources(parsed)
     problems += _check_scaling(parsed)
     problems += _check_sleep(parsed)
+    problems += _check_rollout(parsed)
     problems += _check_lora(parsed, config)
     problems += _check_pod_template(parsed)
     if secret_lookup is not None:
@@ -193,6 +194,14 @@ def _check_scaling(spec: LLMServiceSpec) -> list[ValidationProblem]:
                 "spec.autoscaling.target", f"kvCacheUsage is a fraction: the target must be in "
                 f"(0, 1], got {a.target}", "InvalidAutoscaling"))
     return out
+
+
+def _check_rollout(spec: LLMServiceSpec) -> list[ValidationProblem]:
+    r = spec.rollout
+    if r.max_surge == 0 and r.max_unavailable == 0:
+        return [ValidationProblem("spec.rollout", "maxSurge and maxUnavailable can't both be 0: a rollout "
+                                  "could never replace a Pod", "InvalidRollout")]
+    return []
 
 
 def _check_sleep(spec: LLMServiceSpec) -> list[ValidationProblem]:

@@ -130,7 +130,8 @@ async def reconcile(kube: Kube, config: OperatorConfig, namespace: str, name: st
     # 4. Plan and act: deletes first (they free surge room), then creates.
     desired = await desired_replicas_fn(llm, spec, pods) if desired_replicas_fn else None
     want = desired if desired is not None else desired_replicas(spec, old_status)
-    plan = plan_pods(want, hash_, views, llm_name=name)
+    plan = plan_pods(want, hash_, views, llm_name=name, max_surge=spec.rollout.max_surge,
+                     max_unavailable=spec.rollout.max_unavailable)
     uids = {p["metadata"]["name"]: p["metadata"].get("uid") for p in pods}
     deleted = [n for n in plan.delete if await kube.delete_pod(namespace, n, uids.get(n))]
     created = [c.name for c in plan.create if await kube.create_pod(namespace, pod_manifest(llm, c.index, config))]

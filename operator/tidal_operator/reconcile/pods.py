@@ -8,9 +8,11 @@ stops a duplicate. The handler applies one plan, then waits for the next Pod eve
 Rules:
 - Terminating Pods (deletionTimestamp set) count for nothing, but keep their names taken.
 - Failed/Succeeded Pods are deleted and replaced.
-- Rolling update with surge 1: at most desired+1 live Pods while old-hash Pods remain; an
-  old Pod goes only when enough others are Ready that Ready stays >= desired (an old Pod
-  that isn't Ready goes at once: it serves nothing).
+- Rolling update (spec.rollout): at most desired+maxSurge live Pods while old-hash Pods
+  remain; an old Pod goes only when enough others are Ready that Ready stays >=
+  desired-maxUnavailable (an old Pod that isn't Ready goes at once: it serves nothing).
+  The default, surge 1 and unavailable 0, never drops below desired; surge 0 and
+  unavailable 1 replaces Pods one at a time in place (a full GPU pool has no surge room).
 - Extras go in this order: not Ready, old hash, asleep (deepest first), newest.
 """
 
@@ -98,7 +100,8 @@ def _deletion_rank(p: PodView, spec_hash: str) -> tuple[Any, ...]:
     return (p.ready, p.spec_hash == spec_hash, _SLEEP_RANK.get(p.sleep_state, 2), -created.timestamp(), p.name)
 
 
-def plan_pods(desired_replicas: int, spec_hash: str, pods: Iterable[PodView], *, llm_name: str) -> PodPlan:
+def plan_pods(desired_replicas: int, spec_hash: str, pods: Iterable[PodView], *, llm_name: str,
+              max_surge: int = 1, max_unavailable: int = 0) -> PodPlan:
     """What to create and delete so that `desired_replicas` Pods with `spec_hash` run."""
     desired = max(0, desired_replicas)
     every = sorted(pods, key=lambda p: p.name)
@@ -115,19 +118,19 @@ def plan_pods(desired_replicas: int, spec_hash: str, pods: Iterable[PodView], *,
     delete += extra
     kept = [p for p in current if p not in extra]
 
-    # Old Pods that aren't Ready serve nothing: they go now. Ready ones go one by one as
-    # new Pods become Ready, keeping Ready >= desired.
+    # Old Pods that aren't Ready serve nothing: they go now. Ready ones go as new Pods become
+    # Ready, keeping Ready >= desired - maxUnavailable.
     old_unready = [p for p in old if not p.ready]
     old_ready = sorted((p for p in old if p.ready), key=lambda p: _deletion_rank(p, spec_hash))
     ready_total = sum(p.ready for p in kept) + len(old_ready)
-    removable = max(0, min(len(old_ready), ready_total - desired))
+    removable = max(0, min(len(old_ready), ready_total - max(0, desired - max_unavailable)))
     delete += old_unready + old_ready[:removable]
     old_left = len(old_ready) - removable
 
     missing = desired - len(kept)
     if old_left:
-        # Surge 1: never more than desired+1 live Pods while the roll is on.
-        missing = min(missing, desired + 1 - (len(kept) + old_left))
+        # Never more than desired+maxSurge live Pods while the roll is on.
+        missing = min(missing, desired + max_surge - (len(kept) + old_left))
     taken = {p.name for p in every}  # terminating Pods still hold their names
     creates: list[PodToCreate] = []
     index = 0

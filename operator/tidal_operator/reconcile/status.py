@@ -89,6 +89,25 @@ def pod_stuck_reason(pod: Mapping[str, Any], now: datetime, startup_timeout_seco
     return None
 
 
+def stalled_pods(updated: Sequence[PodView], stuck: Sequence[StuckPod], now: datetime,
+                 deadline_seconds: int) -> list[StuckPod]:
+    """Pods of the current spec that stop the rollout: stuck (CrashLoopBackOff, ImagePullBackOff,
+    a failing startup probe, ...), or not Ready `deadline_seconds` after their creation (each
+    new Pod gets its own deadline, so a rollout that makes progress is never stuck)."""
+    stuck_by_pod = {s.pod: s for s in stuck}
+    out = []
+    for view in updated:
+        if view.ready:
+            continue
+        if view.name in stuck_by_pod:
+            out.append(stuck_by_pod[view.name])
+        elif view.created is not None and (now - view.created).total_seconds() > deadline_seconds:
+            out.append(StuckPod(view.name, "ProgressDeadlineExceeded",
+                                f"not Ready {deadline_seconds}s after its creation "
+                                "(spec.rollout.progressDeadlineSeconds)"))
+    return out
+
+
 def _condition(previous: Mapping[str, Mapping[str, Any]], type_: str, ok: bool | None, reason: str, message: str,
                generation: int | None, now: datetime) -> dict[str, Any]:
     status = "Unknown" if ok is None else ("True" if ok else "False")
@@ -156,6 +175,7 @@ def compute_status(
     updated_ready = [v for v in updated if v.ready]
     old = [v for v in alive if v.spec_hash != hash_]
     stuck = [s for p in alive_pods if (s := pod_stuck_reason(p, now, parsed.engine.startup_timeout_seconds))]
+    stalled = stalled_pods(updated, stuck, now, parsed.rollout.progress_deadline_seconds)
     port = parsed.engine.port
 
     out.update(
@@ -169,11 +189,13 @@ def compute_status(
     )
 
     converged = not old and len(updated) == want and len(updated_ready) == want
-    degraded = bool(stuck) and len(ready) < want
+    # Stuck Pods matter when replicas are missing, and a stuck new Pod matters even while old
+    # Pods serve: otherwise a rollout that can never finish looks healthy.
+    degraded = (bool(stuck) and len(ready) < want) or bool(stalled)
     if degraded:
-        first = stuck[0]
-        degraded_cond = cond("Degraded", True, first.reason,
-                             "; ".join(f"pod {s.pod}: {s.reason}: {s.message}" for s in stuck))
+        problems = stalled + [s for s in stuck if s not in stalled]
+        degraded_cond = cond("Degraded", True, problems[0].reason,
+                             "; ".join(f"pod {s.pod}: {s.reason}: {s.message}" for s in problems))
     else:
         degraded_cond = cond("Degraded", False, "AsExpected", "no Pod is stuck")
 
@@ -190,6 +212,10 @@ def compute_status(
 
     if converged:
         progressing_cond = cond("Progressing", False, "Complete", f"{want} replicas up to date")
+    elif stalled:
+        serving = f"; {len(ready)} Ready Pod(s) keep serving" if ready else ""
+        progressing_cond = cond("Progressing", False, "RolloutStuck",
+                                f"pod {stalled[0].pod}: {stalled[0].reason}: {stalled[0].message}{serving}")
     elif old:
         progressing_cond = cond("Progressing", True, "RollingUpdate",
                                 f"{len(updated_ready)}/{want} replicas updated and ready, {len(old)} old left")
