@@ -101,6 +101,11 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--max-model-len", type=_positive_int, default=None,
                        help="context length (default: the model's)")
     model.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
+    model.add_argument("--runner", default="auto", choices=("auto", "generate", "pooling"),
+                       help="generate text, or pool (embeddings, scores, rerank); auto: pooling for encoder "
+                            "and sequence-classification checkpoints (docs/embeddings.md)")
+    model.add_argument("--convert", default="auto", choices=("auto", "embed", "classify"),
+                       help="what a pooling model computes (default: from the checkpoint)")
 
     sched = parser.add_argument_group("scheduler and KV cache")
     sched.add_argument("--max-num-seqs", type=_positive_int, default=256, help="most requests in one batch")
@@ -262,6 +267,8 @@ def engine_config(parser: argparse.ArgumentParser, args: argparse.Namespace, mod
             lora_modules=dict(args.lora_modules) if args.lora_modules else None,
             allowed_lora_roots=list(args.allowed_lora_roots) if args.allowed_lora_roots else None,
             distributed_executor_backend=args.distributed_executor_backend or "uni",
+            runner=args.runner,
+            convert=args.convert,
         )
     except ValueError as exc:
         parser.error(str(exc))
@@ -288,6 +295,15 @@ def serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         log_prompts=args.log_prompts,
         shutdown_timeout_s=args.shutdown_timeout,
     )
+    if resolve_runner(config) == "pooling":
+        from tidal_engine.server.pooling import serve_pooling
+
+        if args.api_server_count != 1:
+            parser.error("--api-server-count must be 1 with --runner pooling")
+        try:
+            return serve_pooling(config, settings)
+        except ValueError as exc:
+            parser.error(str(exc))
     try:
         return run_serve(config, settings, args.api_server_count)
     except EngineStartError as exc:  # e.g. a bad --lora-modules entry: say why, like any bad flag
@@ -298,13 +314,27 @@ def serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         return 1
 
 
+def resolve_runner(config: Any) -> str:
+    """--runner auto: pooling for checkpoints that cannot generate (encoders, classifiers)."""
+    if config.runner != "auto":
+        return str(config.runner)
+    from tidal_engine.pooling.loader import is_pooling_checkpoint
+
+    try:
+        return "pooling" if is_pooling_checkpoint(config.model) else "generate"
+    except ValueError:
+        return "generate"  # the generation loader reports the bad path with its own message
+
+
 def generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     from tidal_engine import LLM, SamplingParams
 
     config = engine_config(parser, args, args.model, None)
-    options = {k: v for k, v in asdict(config).items() if k != "model"}
+    if resolve_runner(config) == "pooling":
+        parser.error(f"{args.model} is a pooling model (embeddings or scores); it cannot generate")
+    options = {k: v for k, v in asdict(config).items() if k not in ("model", "runner", "convert")}
     llm = LLM(args.model, **options)
     params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed)

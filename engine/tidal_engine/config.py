@@ -45,6 +45,11 @@ class EngineConfig:
     # Where the workers run: "uni" (in the engine-core process), "mp" (a process per rank), or
     # "package.module:Class" for an Executor subclass (as vLLM allows).
     distributed_executor_backend: str = "uni"
+    # vLLM's --runner and --convert: "pooling" serves embeddings, scores and reranking
+    # (tidal_engine.pooling) instead of generating; "auto" picks it for encoder and
+    # sequence-classification checkpoints. convert (pooling only): auto | embed | classify.
+    runner: str = "auto"
+    convert: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -70,5 +75,11 @@ class EngineConfig:
         if self.distributed_executor_backend not in ("uni", "mp") and ":" not in self.distributed_executor_backend:
             raise ValueError("distributed_executor_backend must be 'uni', 'mp' or 'package.module:ExecutorClass', "
                              f"got {self.distributed_executor_backend!r}")
+        if self.runner not in ("auto", "generate", "pooling"):
+            raise ValueError(f"runner must be auto, generate or pooling, got {self.runner!r}")
+        if self.convert not in ("auto", "embed", "classify"):
+            raise ValueError(f"convert must be auto, embed or classify, got {self.convert!r}")
+        if self.convert != "auto" and self.runner == "generate":
+            raise ValueError(f"--convert {self.convert} needs --runner pooling")
         if self.lora_modules and not self.enable_lora:
             raise ValueError("lora_modules needs enable_lora")

@@ -122,3 +122,17 @@ def load_pooling_model(
 
     return LoadedPoolingModel(net.eval(), info, AutoTokenizer.from_pretrained(tokenizer or str(path)), path, run_dtype)
 
+
+
+def is_pooling_checkpoint(model: str) -> bool:
+    """True for checkpoints that only pool: BERT encoders, sentence-transformers folders and
+    ``*ForSequenceClassification`` models (vLLM's --runner auto does the same)."""
+    path = resolve_model_path(model)
+    if not path.is_dir():
+        return False  # GGUF files are generative models here
+    config = _read_json(path / "config.json") or {}
+    return (
+        config.get("model_type") == "bert"
+        or (path / "modules.json").is_file()
+        or choose_task(config, "auto") == "classify"
+    )

@@ -27,6 +27,9 @@ from tidal_engine.server.serving import OpenAIServing, ServingSettings, read_jso
 
 logger = logging.getLogger(__name__)
 
+# The pooling server's endpoints (server/pooling.py): a generative model answers them with 400.
+POOLING_PATHS = ("/v1/embeddings", "/pooling", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank")
+
 
 @dataclass
 class ServerSettings:
@@ -125,6 +128,12 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     async def detokenize(request: Request) -> JSONResponse:
         return JSONResponse((await serving.detokenize(await read_json_body(request, limit))).model_dump())
 
+    async def not_pooling(_: Request) -> Response:
+        raise bad_request(f"`{names[0]}` is a generative model; embeddings, scores and reranking need a pooling "
+                          "model (tidal-engine serve MODEL --runner pooling).")
+
+    for path in POOLING_PATHS:
+        app.add_api_route(path, not_pooling, methods=["POST"])
     app.include_router(build_admin_router())
     return app
 
@@ -157,11 +166,13 @@ class _DrainingServer(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
-def run_server(engine: EngineClient, settings: ServerSettings, *, reuse_port: bool = False) -> int:
+def run_server(engine: EngineClient, settings: ServerSettings, *, reuse_port: bool = False,
+               app: FastAPI | None = None) -> int:
     """Serve until SIGINT/SIGTERM (then stop accepting, drain up to the timeout) or until the
     engine core dies. Returns the exit status: 0 after a drain, 1 after an engine death.
-    ``reuse_port``: several API server processes share the port (SO_REUSEPORT)."""
-    app = build_app(engine, settings)
+    ``reuse_port``: several API server processes share the port (SO_REUSEPORT).
+    ``app``: another app around the engine (the pooling server's); default: build_app's."""
+    app = app or build_app(engine, settings)
     config = uvicorn.Config(
         app,
         host=settings.host,

@@ -1,0 +1,49 @@
+"""Prometheus metrics of a pooling server: the queue gauges autoscaling reads
+(``tidal:num_requests_running`` / ``_waiting``, as the generation server names them) and
+cumulative request, token and step-time counters, all read from the engine at scrape time."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from tidal_engine.pooling.engine import PoolingEngine
+from tidal_engine.server.metrics import CONTENT_TYPE, PREFIX
+
+
+class _PoolingCollector(Collector):
+    def __init__(self, engine: PoolingEngine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.engine.stats
+        for name, doc, value in (
+            ("num_requests_running", "Pooling requests in the step on the device.", stats.num_running),
+            ("num_requests_waiting", "Pooling requests queued for a step.", stats.num_waiting),
+        ):
+            gauge = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            gauge.add_metric([self.model_name], float(value))
+            yield gauge
+        for name, doc, value in (
+            ("pooling_requests", "Pooling inputs (texts or pairs) processed.", stats.requests_total),
+            ("prompt_tokens", "Prompt tokens processed.", stats.prompt_tokens_total),
+            ("pooling_step_seconds", "Seconds spent in pooling steps.", stats.step_seconds_total),
+        ):
+            counter = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            counter.add_metric([self.model_name], float(value))
+            yield counter
+
+
+class PoolingMetrics:
+    content_type = CONTENT_TYPE
+
+    def __init__(self, engine: PoolingEngine, model_name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(_PoolingCollector(engine, model_name))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
