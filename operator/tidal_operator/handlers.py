@@ -26,8 +26,6 @@ from .controller.runtime import OperatorRuntime
 from .kube import Kube
 from .scaling.controller import scaling_config_from_env
 
-log = logging.getLogger(__name__)
-
 # Set by `tidal operator` before kopf starts (kopf's identity, for the peering gate).
 OPERATOR_IDENTITY: str | None = os.environ.get("POD_ID")
 
@@ -97,12 +95,6 @@ async def engine_pod_event(body: kopf.Body, namespace: str, memo: kopf.Memo, **_
     its LLMService, found through the ownerReference."""
     owner = owner_name(body)
     assert owner is not None
-    runtime: OperatorRuntime = memo.runtime
-    if (body.metadata.labels or {}).get(L.LLMSERVICE) != owner and not body.metadata.get("deletionTimestamp"):
-        # The selector label was edited: put it back first, or the Pod would be invisible to
-        # the Pod list of the reconcile (and to the Service and the router).
-        try:
-            await runtime.kube.patch_pod(namespace, body.metadata.name, {"metadata": {"labels": {L.LLMSERVICE: owner}}})
-        except Exception as exc:  # noqa: BLE001 - gone meanwhile: reconcile sees that
-            log.debug("could not restore the %s label on %s/%s: %s", L.LLMSERVICE, namespace, body.metadata.name, exc)
-    await runtime.reconciler.run(namespace, owner, ensure_service=False)
+    # A Pod whose labels were edited leaves the label-selected watch (DELETED, with its previous
+    # content): the reconcile finds it by ownerReference and puts the labels back.
+    await memo.runtime.reconciler.run(namespace, owner, ensure_service=False)

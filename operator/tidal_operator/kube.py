@@ -116,9 +116,17 @@ class Kube:
 
     # --- Pods ----------------------------------------------------------------------------------
 
-    async def list_pods(self, namespace: str, label_selector: str) -> list[Obj]:
+    async def get_pod(self, namespace: str, name: str) -> Obj | None:
+        try:
+            return await self.request("GET", f"/api/v1/namespaces/{namespace}/pods/{name}")
+        except ApiError as exc:
+            if exc.not_found:
+                return None
+            raise
+
+    async def list_pods(self, namespace: str, label_selector: str | None = None) -> list[Obj]:
         listing = await self.request("GET", f"/api/v1/namespaces/{namespace}/pods",
-                                     query={"labelSelector": label_selector})
+                                     query={"labelSelector": label_selector} if label_selector else None)
         return list(listing.get("items") or [])
 
     async def create_pod(self, namespace: str, body: Mapping[str, Any]) -> bool:

@@ -469,8 +469,8 @@ def test_operator_calls_found_in_code() -> None:
     assert operator_rest_calls() == {
         ("tidal.dev", "llmservices", "get"), ("tidal.dev", "llmservices", "list"),
         ("tidal.dev", "llmservices/status", "patch"),
-        ("", "pods", "list"), ("", "pods", "create"), ("", "pods", "delete"), ("", "pods", "patch"),
-        ("", "services", "get"), ("", "services", "create"), ("", "services", "patch"),
+        ("", "pods", "get"), ("", "pods", "list"), ("", "pods", "create"), ("", "pods", "delete"),
+        ("", "pods", "patch"), ("", "services", "get"), ("", "services", "create"), ("", "services", "patch"),
         ("", "secrets", "get"), ("", "events", "create"),
         ("kopf.dev", "kopfpeerings", "get"), ("kopf.dev", "clusterkopfpeerings", "get"),
     }

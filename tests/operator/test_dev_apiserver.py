@@ -313,9 +313,14 @@ def test_label_and_field_selectors(core: k8s.CoreV1Api, ns: str) -> None:
     rv = core.list_namespaced_config_map(ns).metadata.resource_version
     core.patch_namespaced_config_map("a", ns, {"metadata": {"labels": {"app": "z"}}})
     core.patch_namespaced_config_map("c", ns, {"metadata": {"labels": {"app": "a"}}})
-    events = [(e["type"], e["object"].metadata.name) for e in k8s_watch.Watch().stream(
-        core.list_namespaced_config_map, ns, label_selector="app=a", resource_version=rv, timeout_seconds=1)]
-    assert events == [("DELETED", "a"), ("ADDED", "c")]
+    stream = list(k8s_watch.Watch().stream(
+        core.list_namespaced_config_map, ns, label_selector="app=a", resource_version=rv, timeout_seconds=1))
+    assert [(e["type"], e["object"].metadata.name) for e in stream] == [("DELETED", "a"), ("ADDED", "c")]
+    # As kube-apiserver: the object that left is sent as it was (still matching the selector),
+    # stamped with the resourceVersion of the change that moved it out.
+    left = stream[0]["object"].metadata
+    assert left.labels["app"] == "a"
+    assert left.resource_version == core.read_namespaced_config_map("a", ns).metadata.resource_version
 
 
 def test_cluster_wide_watch_and_namespaces(core: k8s.CoreV1Api, ns: str) -> None:

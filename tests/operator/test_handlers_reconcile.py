@@ -183,6 +183,46 @@ async def test_a_crash_looping_new_pod_is_a_visible_stuck_rollout_and_the_old_po
     assert warning["type"] == "Warning" and new in warning["message"]
 
 
+async def test_a_pod_whose_selector_label_was_edited_is_found_by_owner_and_repaired(kube: Kube) -> None:
+    await create(kube, body())
+    await run(kube)
+    (pod,) = await pods(kube)
+    name = pod["metadata"]["name"]
+    await set_ready(kube, name)
+    await kube.patch_pod(NS, name, {"metadata": {"labels": {L.LLMSERVICE: "someone-else"}}})
+    assert await pods(kube) == []  # invisible to the label selector now
+    outcome = await run(kube)
+    assert outcome is not None and outcome.created == () and outcome.repaired == (name,)
+    assert [p["metadata"]["name"] for p in await pods(kube)] == [name]
+    assert (await kube.get_llmservice(NS, "m"))["status"]["phase"] == "Ready"
+
+
+async def test_an_orphan_pod_with_the_planned_name_is_adopted(kube: Kube) -> None:
+    llm = await create(kube, body())
+    orphan = pod_manifest(llm, 0, CONFIG)
+    orphan["metadata"]["ownerReferences"] = []  # e.g. left by `kubectl delete --cascade=orphan`
+    assert await kube.create_pod(NS, orphan)
+    outcome = await run(kube)
+    assert outcome is not None and outcome.adopted == (orphan["metadata"]["name"],) and outcome.created == ()
+    (pod,) = await pods(kube)
+    assert owned_by(pod, llm["metadata"]["uid"])
+    assert await events(kube, "AdoptedPod")
+
+
+async def test_a_pod_of_that_name_controlled_by_something_else_is_left_alone(kube: Kube) -> None:
+    llm = await create(kube, body())
+    foreign = pod_manifest(llm, 0, CONFIG)
+    foreign["metadata"]["ownerReferences"] = [{"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "rs",
+                                               "uid": "other-uid", "controller": True}]
+    assert await kube.create_pod(NS, foreign)
+    outcome = await run(kube)
+    assert outcome is not None and outcome.adopted == () and outcome.created == ()
+    pod = await kube.get_pod(NS, foreign["metadata"]["name"])
+    assert pod is not None and pod["metadata"]["ownerReferences"][0]["uid"] == "other-uid"
+    (warning,) = await events(kube, "PodNameConflict")
+    assert "ReplicaSet rs" in warning["message"]
+
+
 async def test_label_drift_is_restored_and_container_drift_replaced(kube: Kube) -> None:
     await create(kube, body())
     await run(kube)

@@ -129,10 +129,11 @@ Its own calls are the Kube class (operator/tidal_operator/kube.py); kopf adds wa
 - apiGroups: ["tidal.dev"]
   resources: ["llmservices/status"]
   verbs: ["patch"]
-# Engine Pods are managed directly (no Deployment): create, roll, restore drift, remove.
+# Engine Pods are managed directly (no Deployment): create, roll, restore drift, remove;
+# get: a create that met AlreadyExists reads the Pod to adopt an orphan of that name.
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["list", "watch", "create", "delete", "patch"]
+  verbs: ["get", "list", "watch", "create", "delete", "patch"]
 # The headless Service of each LLMService (deleted by garbage collection, not by the operator).
 - apiGroups: [""]
   resources: ["services"]

@@ -14,15 +14,15 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Awaitable, Callable, Mapping
 
-from .. import labels as L
 from ..api.types import LLMServiceSpec, OperatorConfig
 from ..api.validation import ValidationProblem, parse_spec, validate_spec
-from ..kube import Kube
-from ..reconcile.manifests import CONTAINER_NAME, metadata_drift, pod_manifest, service_manifest, spec_hash
+from ..kube import ApiError, Kube
+from ..reconcile.manifests import (CONTAINER_NAME, metadata_drift, owner_reference, pod_manifest, service_manifest,
+                                   spec_hash)
 from ..reconcile.pods import PodView, plan_pods
 from ..reconcile.status import compute_status, desired_replicas
 from ..secret_refs import referenced_secrets
-from .ownership import owned_by, replica_index
+from .ownership import adoption_patch, controller_ref, owned_by, replica_index
 
 Obj = dict[str, Any]
 
@@ -45,6 +45,7 @@ class Outcome:
     created: tuple[str, ...] = ()
     deleted: tuple[str, ...] = ()
     repaired: tuple[str, ...] = ()
+    adopted: tuple[str, ...] = ()
 
 
 def spec_drifted(desired: Mapping[str, Any], actual: Mapping[str, Any]) -> bool:
@@ -94,7 +95,7 @@ async def reconcile(kube: Kube, config: OperatorConfig, namespace: str, name: st
     existing = {s: await kube.secret_exists(namespace, s) for s in referenced_secrets(raw_spec)}
     problems = validate_spec(raw_spec, name=name, namespace=namespace,
                              secret_lookup=lambda secret: existing.get(secret, True), config=config)
-    pods = [p for p in await kube.list_pods(namespace, L.selector_string(name)) if owned_by(p, uid)]
+    pods = await owned_pods(kube, namespace, uid)
     if problems:
         await write_invalid_status(kube, config, llm, pods, problems, generation, now)
         return Outcome(valid=False, converged=False)
@@ -134,14 +135,19 @@ async def reconcile(kube: Kube, config: OperatorConfig, namespace: str, name: st
                      max_unavailable=spec.rollout.max_unavailable)
     uids = {p["metadata"]["name"]: p["metadata"].get("uid") for p in pods}
     deleted = [n for n in plan.delete if await kube.delete_pod(namespace, n, uids.get(n))]
-    created = [c.name for c in plan.create if await kube.create_pod(namespace, pod_manifest(llm, c.index, config))]
+    created, adopted = [], []
+    for c in plan.create:
+        if await kube.create_pod(namespace, pod_manifest(llm, c.index, config)):
+            created.append(c.name)
+        elif await adopt_existing(kube, llm, c.name):
+            adopted.append(c.name)
     for n in deleted:
         why = "rolling update" if plan.rolling else "not wanted"
         await kube.post_event(llm, type_="Normal", reason="DeletedPod", message=f"deleted pod {n} ({why})")
     for n in created:
         await kube.post_event(llm, type_="Normal", reason="CreatedPod", message=f"created pod {n}")
     if not plan.empty:
-        pods = [p for p in await kube.list_pods(namespace, L.selector_string(name)) if owned_by(p, uid)]
+        pods = await owned_pods(kube, namespace, uid)
 
     # 5. Status: what is true now.
     status = compute_status(llm, pods, [], generation, now, config=config, desired=want)
@@ -155,7 +161,38 @@ async def reconcile(kube: Kube, config: OperatorConfig, namespace: str, name: st
         await kube.post_event(llm, type_="Warning", reason=str(degraded.get("reason")), message=str(degraded.get("message")))
     converged = plan.empty and status.get("phase") == "Ready"
     return Outcome(valid=True, converged=converged, created=tuple(created), deleted=tuple(deleted),
-                   repaired=tuple(repaired))
+                   repaired=tuple(repaired), adopted=tuple(adopted))
+
+
+async def owned_pods(kube: Kube, namespace: str, uid: str) -> list[Obj]:
+    """The Pods this LLMService controls, by ownerReference uid: labels can be edited by anyone,
+    and a Pod whose labels changed must still be found (and repaired), not created again."""
+    return [p for p in await kube.list_pods(namespace) if owned_by(p, uid)]
+
+
+async def adopt_existing(kube: Kube, llm: Obj, pod_name_: str) -> bool:
+    """A create answered AlreadyExists. Ours already (another pass got there first): nothing to
+    do. An orphan of that name: adopt it (the next pass repairs its metadata, or replaces it if
+    its container differs). Controlled by something else: say so; it is never touched."""
+    namespace = llm["metadata"]["namespace"]
+    pod = await kube.get_pod(namespace, pod_name_)
+    if pod is None or owned_by(pod, llm["metadata"]["uid"]):
+        return False
+    patch = adoption_patch(pod, owner_reference(llm))
+    if patch is None:
+        other = controller_ref(pod) or {}
+        await kube.post_event(llm, type_="Warning", reason="PodNameConflict",
+                              message=f"pod {pod_name_} exists and is controlled by {other.get('kind', '?')} "
+                                      f"{other.get('name', '?')} (or is being deleted): not touched")
+        return False
+    try:
+        await kube.patch_pod(namespace, pod_name_, patch)
+    except ApiError as exc:
+        if exc.status in (404, 409):
+            return False  # changed or gone since it was read: the next pass looks again
+        raise
+    await kube.post_event(llm, type_="Normal", reason="AdoptedPod", message=f"adopted the orphan pod {pod_name_}")
+    return True
 
 
 async def write_invalid_status(kube: Kube, config: OperatorConfig, llm: Obj, pods: list[Obj],

@@ -14,6 +14,23 @@ def owned_by(pod: Mapping[str, Any], uid: str) -> bool:
                for ref in (pod.get("metadata") or {}).get("ownerReferences") or [])
 
 
+def controller_ref(obj: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    return next((ref for ref in (obj.get("metadata") or {}).get("ownerReferences") or [] if ref.get("controller")),
+                None)
+
+
+def adoption_patch(pod: Mapping[str, Any], owner_ref: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The merge patch that makes `owner_ref` the controller of an orphan Pod (one with no
+    controller), keeping its other ownerReferences; None when the Pod can't be adopted (it
+    has a controller, or is going). The resourceVersion makes the patch fail if the Pod
+    changed since it was read, as controller-runtime's adoption does."""
+    meta = pod.get("metadata") or {}
+    if controller_ref(pod) is not None or meta.get("deletionTimestamp"):
+        return None
+    refs = [dict(r) for r in meta.get("ownerReferences") or []] + [dict(owner_ref)]
+    return {"metadata": {"ownerReferences": refs, "resourceVersion": meta.get("resourceVersion")}}
+
+
 def owner_name(pod: Mapping[str, Any]) -> str | None:
     """The LLMService that controls this Pod, from its ownerReferences."""
     for ref in (pod.get("metadata") or {}).get("ownerReferences") or []:

@@ -492,7 +492,7 @@ class ApiServer:
                 for change in changes:
                     event = watcher.translate(change)
                     if event is not None:
-                        backlog.append((event, change.obj))
+                        backlog.append(event)
         self.store.watchers[rt.key].add(watcher)
         self._watchers.add(watcher)
         response = web.StreamResponse(headers={"Content-Type": "application/json",

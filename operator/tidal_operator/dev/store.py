@@ -190,21 +190,27 @@ class Watcher:
     selector: Selector
     queue: asyncio.Queue[Any]
 
-    def translate(self, change: Change) -> str | None:
-        """The event type this watcher sees for a change, or None if it should not see it."""
+    def translate(self, change: Change) -> tuple[str, Obj] | None:
+        """The event this watcher sees for a change, or None if it should not see it.
+
+        As kube-apiserver's watch cache does: an object that a modification moves out of the
+        selection is sent as DELETED with its *previous* content (stamped with the change's
+        resourceVersion), since the new content doesn't match what the watcher asked for."""
         if change.key != self.key or (self.namespace is not None and change.namespace != self.namespace):
             return None
         now = self.selector.matches(change.obj)
         before = change.old is not None and self.selector.matches(change.old)
         if change.type == "MODIFIED":
             if now and before:
-                return "MODIFIED"
+                return "MODIFIED", change.obj
             if now:
-                return "ADDED"
+                return "ADDED", change.obj
             if before:
-                return "DELETED"
+                assert change.old is not None
+                previous = {**change.old, "metadata": {**change.old["metadata"], "resourceVersion": str(change.rv)}}
+                return "DELETED", previous
             return None
-        return change.type if now else None
+        return (change.type, change.obj) if now else None
 
 
 class Store:
@@ -266,7 +272,7 @@ class Store:
         for watcher in self.watchers.get(change.key, ()):
             event = watcher.translate(change)
             if event is not None:
-                watcher.queue.put_nowait((event, change.obj))
+                watcher.queue.put_nowait(event)
 
     def changes_since(self, rv: int) -> list[Change] | None:
         """Changes after `rv`, or None when some of them already left the window (410 Gone)."""
