@@ -106,6 +106,8 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                             "and sequence-classification checkpoints (docs/embeddings.md)")
     model.add_argument("--convert", default="auto", choices=("auto", "embed", "classify"),
                        help="what a pooling model computes (default: from the checkpoint)")
+    model.add_argument("--trust-remote-code", action="store_true",
+                       help="accepted for vLLM command lines; Tidal runs only its built-in architectures")
 
     sched = parser.add_argument_group("scheduler and KV cache")
     sched.add_argument("--max-num-seqs", type=_positive_int, default=256, help="most requests in one batch")
@@ -185,6 +187,18 @@ def build_parser() -> argparse.ArgumentParser:
                           help="CORS origins to allow (default: none)")
     security.add_argument("--no-protect-metrics", dest="protect_metrics", action="store_false",
                           help="serve /metrics without the API key")
+    chat = serve.add_argument_group("chat output", "tool calls, reasoning, templates (docs/engine-api.md)")
+    chat.add_argument("--enable-auto-tool-choice", action="store_true",
+                      help='let the model decide to call tools (tool_choice "auto"); needs --tool-call-parser')
+    chat.add_argument("--tool-call-parser", default=None, choices=tool_parser_names(),
+                      help="how tool calls look in this model's output")
+    chat.add_argument("--reasoning-parser", default=None, choices=reasoning_parser_names(),
+                      help="split <think>…</think> into reasoning_content")
+    chat.add_argument("--chat-template", default=None,
+                      help="a Jinja chat template (file or inline) replacing the tokenizer's")
+    chat.add_argument("--generation-config", default="auto", metavar="auto|vllm|PATH",
+                      help="sampling defaults: the model's generation_config.json (auto), none (vllm), "
+                           "or the one in PATH")
     logs = serve.add_argument_group("logging")
     logs.add_argument("--disable-log-requests", action="store_true", help="no per-request log line")
     logs.add_argument("--log-prompts", action="store_true", help="include prompts in the request log line")
@@ -210,9 +224,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def tool_parser_names() -> list[str]:
+    from tidal_engine.server.tool_parsers import TOOL_PARSERS
+
+    return sorted(TOOL_PARSERS)
+
+
+def reasoning_parser_names() -> list[str]:
+    from tidal_engine.server.reasoning import REASONING_PARSERS
+
+    return sorted(REASONING_PARSERS)
+
+
+def chat_template_text(value: str | None) -> str | None:
+    """--chat-template: a file's contents, or the template itself (vLLM accepts both)."""
+    if value is None:
+        return None
+    path = os.path.expanduser(value)
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as handle:
+            return handle.read()
+    if "{" not in value:
+        raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+    return value
+
+
 def check_unsupported(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuse vLLM features Tidal lacks instead of silently ignoring them."""
     problems: list[str] = []
+    if getattr(args, "enable_auto_tool_choice", False) and not args.tool_call_parser:
+        problems.append("--enable-auto-tool-choice (needs --tool-call-parser)")
     if args.tensor_parallel_size != 1:
         problems.append(f"--tensor-parallel-size {args.tensor_parallel_size} (Tidal runs on one device: use 1)")
     if args.pipeline_parallel_size != 1:
@@ -278,9 +319,17 @@ def serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from tidal_engine.server.app import ServerSettings
     from tidal_engine.server.launcher import EngineStartError, serve as run_serve
 
+    from tidal_engine.server.generation_config import read_generation_config
+
     api_key = args.api_key or os.environ.get("TIDAL_API_KEY") or None
     names = args.served_model_name or [args.model]
     config = engine_config(parser, args, args.model, names[0])
+    try:
+        chat_template = chat_template_text(args.chat_template)
+        if args.generation_config not in ("auto", "vllm"):
+            read_generation_config(args.generation_config, args.model)  # a bad PATH fails here, not later
+    except (OSError, ValueError) as exc:
+        parser.error(str(exc))
     logging.getLogger(__name__).info("loading %s", args.model)
     settings = ServerSettings(
         host=args.host,
@@ -294,6 +343,11 @@ def serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         log_requests=not args.disable_log_requests,
         log_prompts=args.log_prompts,
         shutdown_timeout_s=args.shutdown_timeout,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
+        chat_template=chat_template,
+        generation_config=args.generation_config,
     )
     if resolve_runner(config) == "pooling":
         from tidal_engine.server.pooling import serve_pooling
@@ -356,6 +410,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     subparser: argparse.ArgumentParser = args.subparser
     check_unsupported(subparser, args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.trust_remote_code:
+        logging.getLogger(__name__).info(
+            "--trust-remote-code: accepted, but no remote code runs; Tidal serves only its built-in architectures")
     if args.command == "serve":
         return serve(subparser, args)
     return generate(subparser, args)

@@ -148,3 +148,40 @@ def test_curl_hint_never_contains_the_key() -> None:
     line = curl_hint("0.0.0.0", 8000, "smollm2-135m", with_key=True)
     assert line.startswith("curl -s http://localhost:8000/v1/chat/completions")
     assert "$TIDAL_API_KEY" in line and '"model": "smollm2-135m"' in line
+
+
+def test_chat_output_flags_reach_the_server_settings(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    captured: dict[str, Any] = {}
+    monkeypatch.setattr("tidal_engine.server.launcher.serve", lambda c, s, n: captured.update(c=c, s=s) or 0)
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    (tmp_path / "generation_config.json").write_text('{"temperature": 0.6}')
+    with caplog.at_level("INFO"):
+        assert run_main(["serve", "m", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                         "--reasoning-parser", "qwen3", "--chat-template", str(template), "--tokenizer", "tok",
+                         "--generation-config", str(tmp_path), "--trust-remote-code"]) == 0
+    settings = captured["s"]
+    assert settings.enable_auto_tool_choice and settings.tool_call_parser == "hermes"
+    assert settings.reasoning_parser == "qwen3" and settings.chat_template == template.read_text()
+    assert settings.generation_config == str(tmp_path)
+    assert captured["c"].tokenizer == "tok"
+    assert "only its built-in architectures" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["serve", "m", "--enable-auto-tool-choice"], "needs --tool-call-parser"),
+        (["serve", "m", "--tool-call-parser", "nope"], "invalid choice"),
+        (["serve", "m", "--reasoning-parser", "nope"], "invalid choice"),
+        (["serve", "m", "--generation-config", "/no/such/dir"], "--generation-config /no/such/dir"),
+        (["serve", "m", "--chat-template", "not-a-file"], "neither a file nor a Jinja template"),
+    ],
+)
+def test_bad_chat_output_flags(argv: list[str], message: str, capsys: pytest.CaptureFixture[str],
+                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("tidal_engine.server.launcher.serve",
+                        lambda *args, **kwargs: pytest.fail("should not start the engine"))
+    assert run_main(argv) == 2
+    assert message in capsys.readouterr().err

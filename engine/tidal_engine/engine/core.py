@@ -41,7 +41,7 @@ from tidal_engine.engine.messages import CoreStats, SampleDelta, sample_request_
 from tidal_engine.executor.base import Executor, PendingStep
 from tidal_engine.executor.plan import NewRequest, SampledLogprobs, SamplingOptions, ScheduledRequest, StepPlan
 from tidal_engine.lora import AdapterInfo, LoRAAdapter, LoRAError, LoRAManager
-from tidal_engine.models.loader import resolve_dtype, resolve_model
+from tidal_engine.models.loader import load_tokenizer, resolve_dtype, resolve_model
 from tidal_engine.sampling_params import SamplingParams
 from tidal_engine.structured import GrammarCompilerCache, GrammarMatcher
 
@@ -119,7 +119,7 @@ class EngineCore:
         arch = self.source.arch_config
         self.vocab_size = arch.vocab_size
         self.dtype = resolve_dtype(arch.torch_dtype, config.dtype, self.device)
-        self.tokenizer = self.source.load_tokenizer()  # grammars need it; text is the caller's
+        self.tokenizer = load_tokenizer(config.model, config.tokenizer)  # grammars need it; text is the caller's
         self.model_name = config.served_model_name or config.model
         self.max_model_len = config.max_model_len or arch.max_position_embeddings
         if self.max_model_len > arch.max_position_embeddings:

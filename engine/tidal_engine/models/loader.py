@@ -329,6 +329,22 @@ def resolve_model_path(model: str) -> Path:
     return path
 
 
+def load_tokenizer(model: str, tokenizer: str | None = None) -> Any:
+    """The model's tokenizer, or the one `tokenizer` names (--tokenizer): a model folder, a
+    .gguf file, an alias, or a folder holding only tokenizer files."""
+    if tokenizer is None:
+        return resolve_model(model).load_tokenizer()
+    path = Path(tokenizer).expanduser()
+    if tokenizer not in MODEL_ALIASES and path.is_dir() and not (path / "config.json").is_file():
+        from transformers import AutoTokenizer
+
+        try:
+            return AutoTokenizer.from_pretrained(str(path))
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"cannot load the tokenizer from {path}: {exc}") from None
+    return resolve_model(tokenizer).load_tokenizer()
+
+
 def resolve_dtype(config_dtype: torch.dtype | str | None, requested: str, device: torch.device) -> torch.dtype:
     """The dtype to run in. ``auto``: float32 on CPU; on GPU the checkpoint's own dtype
     (bfloat16 when it has none, float16 where bfloat16 is unsupported)."""

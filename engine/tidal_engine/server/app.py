@@ -10,6 +10,7 @@ import socket
 import threading
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -44,6 +45,13 @@ class ServerSettings:
     log_requests: bool = True
     log_prompts: bool = False
     shutdown_timeout_s: float = 30.0
+    # Chat output (docs/engine-api.md): tool calls, reasoning, template, sampling defaults.
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    chat_template: str | None = None
+    generation_config: str = "vllm"  # auto | vllm | PATH: read into default_sampling when the server starts
+    default_sampling: dict[str, Any] = field(default_factory=dict)
 
 
 def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
@@ -51,7 +59,10 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     names = settings.served_model_names or [engine.model_name]
     serving = OpenAIServing(
         engine,
-        ServingSettings(names, settings.model_source or names[0], settings.max_request_body_bytes),
+        ServingSettings(names, settings.model_source or names[0], settings.max_request_body_bytes,
+                        enable_auto_tool_choice=settings.enable_auto_tool_choice,
+                        tool_call_parser=settings.tool_call_parser, reasoning_parser=settings.reasoning_parser,
+                        chat_template=settings.chat_template, default_sampling=dict(settings.default_sampling)),
     )
     metrics = ServerMetrics(engine, names[0], engine.max_model_len)
     if settings.log_requests:

@@ -16,6 +16,7 @@ core or worker behind. SIGTERM drains the API servers first; then the core is st
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -103,9 +104,13 @@ def run_api_server(
     reuse_port: bool = False,
 ) -> int:
     from tidal_engine.engine.async_llm import AsyncLLM
-    from tidal_engine.models.loader import resolve_model
+    from tidal_engine.models.loader import load_tokenizer
 
-    tokenizer = resolve_model(config.model).load_tokenizer()
+    from tidal_engine.server.generation_config import load_sampling_defaults
+
+    tokenizer = load_tokenizer(config.model, config.tokenizer)
+    defaults = load_sampling_defaults(settings.generation_config, config.model)
+    settings = dataclasses.replace(settings, default_sampling={**defaults, **settings.default_sampling})
     engine = AsyncLLM(tokenizer, info, addresses, index, enable_sleep_mode=config.enable_sleep_mode,
                       core_process=core_process)
     return run_server(engine, settings, reuse_port=reuse_port)

@@ -1,16 +1,17 @@
 """Request and response shapes of the OpenAI-compatible API (vLLM's field names).
 
-Requests are parsed strictly: a string where a number belongs is a 400, not a coercion.
-Fields a client may send but Tidal does not implement are rejected with a clear message
-rather than ignored (see `unsupported_fields`); unknown extra fields are ignored, as in vLLM.
+Requests are parsed strictly: a string where a number belongs is a 400, not a coercion,
+and a field Tidal does not know is a 400 that names it (never silently dropped). Known
+fields set to a value Tidal cannot honour are refused too (see `unsupported_fields`).
 """
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 from tidal_engine.structured import StructuredOutputsParams
 
@@ -21,7 +22,7 @@ MAX_N = 128
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
 
 class StreamOptions(_Request):
@@ -47,7 +48,17 @@ class SamplingFields(_Request):
     ignore_eos: bool = False
     min_tokens: Annotated[int, Field(ge=0)] = 0
     skip_special_tokens: bool = True
+    # Fast tokenizers (the only kind Tidal loads) never put spaces between special tokens:
+    # accepted, as vLLM's fast detokenizer accepts it.
+    spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Keep only the last k prompt tokens (vLLM; -1: the context length).
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
+    # vLLM's extras that need engine support Tidal lacks: accepted only with their "off" value.
+    prompt_logprobs: Annotated[int, Field(ge=-1)] | None = None
+    allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    bad_words: list[str] | None = None
+    priority: int = 0
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -64,6 +75,8 @@ class SamplingFields(_Request):
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         if any(s == "" for s in stops):
             raise ValueError("stop strings must not be empty")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options needs stream set to true")
         return self
 
     def unsupported_fields(self) -> list[str]:
@@ -73,6 +86,14 @@ class SamplingFields(_Request):
             bad.append("logit_bias")
         if self.best_of is not None and self.best_of != self.n:
             bad.append("best_of")
+        if self.prompt_logprobs is not None:
+            bad.append("prompt_logprobs")
+        if self.allowed_token_ids is not None:
+            bad.append("allowed_token_ids")
+        if self.bad_words:
+            bad.append("bad_words")
+        if self.priority != 0:
+            bad.append("priority (needs --scheduling-policy priority)")
         return bad
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
@@ -178,18 +199,34 @@ class TextPart(_Request):
     text: str
 
 
+class FunctionCall(_Request):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Request):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCall] | None = None
+    # What Tidal's own answers carry, so a client can send an assistant turn back unchanged.
+    reasoning_content: str | None = None
+    refusal: None = None
 
     @model_validator(mode="after")
     def _check_content(self) -> "ChatMessage":
         # Only an assistant turn that calls tools may come without content.
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
             raise ValueError(f"a {self.role} message needs content")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id it answers")
         return self
 
     def text(self) -> str | None:
@@ -199,11 +236,53 @@ class ChatMessage(_Request):
 
     def for_template(self) -> dict[str, Any]:
         message: dict[str, Any] = {"role": self.role, "content": self.text()}
-        for key in ("name", "tool_call_id", "tool_calls"):
-            value = getattr(self, key)
-            if value is not None:
-                message[key] = value
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls is not None:
+            # Templates index arguments as a mapping (Llama 3, Qwen): hand them parsed JSON.
+            message["tool_calls"] = [
+                {"id": c.id, "type": c.type, "function": {"name": c.function.name,
+                                                          "arguments": _json_or_text(c.function.arguments)}}
+                for c in self.tool_calls
+            ]
         return message
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+# Function names as OpenAI allows them.
+FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
+
+
+class FunctionDefinition(_Request):
+    name: Annotated[str, Field(pattern=FUNCTION_NAME)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
+    strict: bool | None = None
+
+
+class ChatTool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -214,9 +293,12 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    echo: bool = False  # vLLM: start the answer with the final assistant message's text
+    chat_template: Annotated[str, Field(min_length=1)] | None = None  # a Jinja template for this request
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None  # None: "auto" with tools, else "none" (OpenAI's default)
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> "ChatCompletionRequest":
@@ -226,17 +308,27 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         return self
 
+    @model_validator(mode="after")
+    def _check_tools(self) -> "ChatCompletionRequest":
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: every function needs a distinct name")
+        choice = self.tool_choice
+        if choice in ("required",) and not names:
+            raise ValueError('tool_choice "required" needs at least one entry in tools')
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice names function {choice.function.name!r}, which is not in tools")
+        return self
+
+    @property
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
     @property
     def effective_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-
-    def unsupported_fields(self) -> list[str]:
-        bad = super().unsupported_fields()
-        if self.tools:
-            bad.append("tools")
-        if self.tool_choice not in (None, "none", "auto"):
-            bad.append("tool_choice")
-        return bad
 
 
 class TokenizeCompletionRequest(_Request):
@@ -253,7 +345,9 @@ class TokenizeChatRequest(_Request):
     continue_final_message: bool = False
     add_special_tokens: bool = False
     return_token_strs: bool = False
+    chat_template: Annotated[str, Field(min_length=1)] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
 
 
 class DetokenizeRequest(_Request):
@@ -339,9 +433,22 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
 
 
+class ResponseFunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ResponseToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ResponseFunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ResponseToolCall] = Field(default_factory=list)
+    reasoning_content: str | None = None
 
 
 class ChatChoice(BaseModel):
@@ -361,9 +468,38 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaToolCall(BaseModel):
+    """One piece of a streamed tool call: the first names it (id, name), the rest add arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: Any) -> dict[str, Any]:
+        # OpenAI's deltas carry only what changed.
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatStreamChoice(BaseModel):

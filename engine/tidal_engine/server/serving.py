@@ -11,7 +11,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import anyio
@@ -39,14 +39,16 @@ from tidal_engine.server.errors import (
     error_body,
     validation_error_to_api_error,
 )
+from tidal_engine.server.chat_output import ChatOutputPlan
 from tidal_engine.server.protocol import (
     ChatChoice,
+    ChatTool,
+    NamedToolChoice,
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
     ChatMessage,
-    ChatResponseMessage,
     ChatStreamChoice,
     CompletionChoice,
     CompletionChunk,
@@ -66,6 +68,10 @@ from tidal_engine.server.protocol import (
     UsageInfo,
     SamplingFields,
 )
+from tidal_engine.server.reasoning import get_reasoning_parser
+from tidal_engine.server.tool_parsers import get_tool_parser
+from tidal_engine.server.tool_parsers.forced import RequiredChoiceParser, named_constraint, required_constraint
+from tidal_engine.structured import StructuredOutputsParams
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 T = TypeVar("T")
@@ -115,6 +121,13 @@ def parse_model(model_cls: type[ModelT], data: dict[str, Any]) -> ModelT:
     try:
         return model_cls.model_validate(data)
     except ValidationError as exc:
+        unknown = [".".join(str(p) for p in e["loc"]) for e in exc.errors() if e["type"] == "extra_forbidden"]
+        if unknown:  # name them all: a client sending one unknown field often sends several
+            raise bad_request(
+                f"Unknown field(s): {', '.join(unknown)}. Tidal refuses fields it does not implement "
+                "rather than ignoring them (docs/engine-api.md lists the supported ones).",
+                unknown[0],
+            ) from None
         raise validation_error_to_api_error(exc) from None
 
 
@@ -177,9 +190,12 @@ class EngineStreamingResponse(StreamingResponse):
                 await close()
 
 
-def sse(payload: BaseModel | dict[str, Any]) -> str:
+def sse(payload: BaseModel | dict[str, Any], with_usage: bool = True) -> str:
+    """One server-sent event. Chunks carry `usage` only when the client asked for it
+    (stream_options.include_usage), as OpenAI's do."""
     if isinstance(payload, BaseModel):
-        return f"data: {payload.model_dump_json(exclude_none=False)}\n\n"
+        exclude = None if with_usage else {"usage"}
+        return f"data: {payload.model_dump_json(exclude_none=False, exclude=exclude)}\n\n"
     return f"data: {json.dumps(payload)}\n\n"
 
 
@@ -229,6 +245,12 @@ class ServingSettings:
     served_model_names: list[str]
     model_source: str
     max_request_body_bytes: int = 8 * 1024 * 1024
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    chat_template: str | None = None  # overrides the tokenizer's (--chat-template)
+    # Sampling defaults for fields a request leaves out (--generation-config, see generation_config.py).
+    default_sampling: dict[str, Any] = field(default_factory=dict)
 
 
 class OpenAIServing:
@@ -239,6 +261,8 @@ class OpenAIServing:
         self.max_model_len = engine.max_model_len
         self.model_name = settings.served_model_names[0]
         self.vocab_size = len(self.tokenizer)
+        self.tool_parser = get_tool_parser(settings.tool_call_parser) if settings.tool_call_parser else None
+        self.reasoning_parser = get_reasoning_parser(settings.reasoning_parser) if settings.reasoning_parser else None
 
     # -------------------------------------------------------------- shared checks
 
@@ -277,21 +301,56 @@ class OpenAIServing:
                 param,
             )
 
+    def check_max_tokens(self, num_prompt_tokens: int, max_tokens: int | None, param: str) -> None:
+        """vLLM's 400 for a prompt plus max_tokens past the context (never silently clamped)."""
+        if max_tokens is not None and num_prompt_tokens + max_tokens > self.max_model_len:
+            raise bad_request(
+                f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum "
+                f"context length is {self.max_model_len} tokens and your request has {num_prompt_tokens} input "
+                f"tokens ({max_tokens} > {self.max_model_len} - {num_prompt_tokens}).",
+                param,
+            )
+
+    def truncate(self, token_ids: list[int], keep: int | None) -> list[int]:
+        """truncate_prompt_tokens: the last `keep` tokens (-1: as many as the context holds)."""
+        if keep is None:
+            return token_ids
+        if keep == -1:
+            keep = self.max_model_len
+        if keep > self.max_model_len:
+            raise bad_request(f"truncate_prompt_tokens ({keep}) must not exceed the context length "
+                              f"({self.max_model_len}).", "truncate_prompt_tokens")
+        return token_ids[-keep:] if keep else []
+
+    def default_max_tokens(self, requested: int | None) -> int | None:
+        # generation_config.json's max_new_tokens applies to requests that set no limit (vLLM).
+        return requested if requested is not None else self.settings.default_sampling.get("max_tokens")
+
     def sampling_params(self, request: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         try:
             structured = request.structured_outputs_params()
         except ValueError as exc:
             raise bad_request(str(exc), getattr(exc, "param", None)) from None
+        return self.build_sampling_params(request, max_tokens, logprobs, structured)
+
+    def build_sampling_params(self, request: SamplingFields, max_tokens: int | None, logprobs: int | None,
+                              structured: Any) -> SamplingParams:
+        defaults = self.settings.default_sampling
+
+        def pick(name: str, fallback: float) -> Any:
+            value = getattr(request, name)
+            return value if value is not None else defaults.get(name, fallback)
+
         try:
             return SamplingParams(
                 n=request.n,
-                temperature=1.0 if request.temperature is None else request.temperature,
-                top_p=1.0 if request.top_p is None else request.top_p,
-                top_k=0 if request.top_k is None else request.top_k,
-                min_p=0.0 if request.min_p is None else request.min_p,
+                temperature=pick("temperature", 1.0),
+                top_p=pick("top_p", 1.0),
+                top_k=pick("top_k", 0),
+                min_p=pick("min_p", 0.0),
                 presence_penalty=request.presence_penalty or 0.0,
                 frequency_penalty=request.frequency_penalty or 0.0,
-                repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
+                repetition_penalty=pick("repetition_penalty", 1.0),
                 seed=request.seed,
                 stop=request.stop,
                 stop_token_ids=list(request.stop_token_ids or []),
@@ -366,19 +425,26 @@ class OpenAIServing:
         request = parse_model(CompletionRequest, data)
         lora_name = self.check_model(request.model)
         self.check_supported(request)
-        prompts = self._completion_prompts(request.prompt)
-        params = self.sampling_params(request, request.max_tokens, request.logprobs)
+        texts = self._completion_prompts(request.prompt)
+        prompts: list[str | list[int]] = []
+        for prompt in texts:
+            ids = prompt if isinstance(prompt, list) else await self.encode(prompt, add_special_tokens=True)
+            ids = self.truncate(ids, request.truncate_prompt_tokens)
+            self.check_prompt_length(len(ids), "prompt")
+            self.check_max_tokens(len(ids), request.max_tokens, "max_tokens")
+            prompts.append(ids)
+        params = self.sampling_params(request, self.default_max_tokens(request.max_tokens), request.logprobs)
         base_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         streams = await self.submit(base_id, prompts, params, request.cache_salt, lora_name)
         if request.stream:
             return EngineStreamingResponse(
-                self._completion_stream(request, streams, base_id, created), media_type="text/event-stream"
+                self._completion_stream(request, streams, texts, base_id, created), media_type="text/event-stream"
             )
         outputs = await cancel_on_disconnect(raw, self.final_outputs(streams))
         choices: list[CompletionChoice] = []
         for prompt_idx, output in enumerate(outputs):
-            prompt_text = self._prompt_text(output, prompts[prompt_idx]) if request.echo else ""
+            prompt_text = self._prompt_text(output, texts[prompt_idx]) if request.echo else ""
             for completion in output.outputs:
                 choices.append(
                     CompletionChoice(
@@ -407,7 +473,6 @@ class OpenAIServing:
         for p in prompts:
             if isinstance(p, list):
                 self.check_token_ids(p, "prompt")
-                self.check_prompt_length(len(p), "prompt")
         return prompts
 
     def _prompt_text(self, output: RequestOutput, prompt: str | list[int]) -> str:
@@ -438,7 +503,8 @@ class OpenAIServing:
         return result
 
     async def _completion_stream(
-        self, request: CompletionRequest, streams: list[Any], base_id: str, created: int
+        self, request: CompletionRequest, streams: list[Any], texts: list[str | list[int]], base_id: str,
+        created: int,
     ) -> AsyncIterator[str]:
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         continuous = bool(request.stream_options and request.stream_options.continuous_usage_stats)
@@ -462,7 +528,7 @@ class OpenAIServing:
                         done.add(index)
                     prefix = ""
                     if request.echo and index not in echoed:
-                        prefix = self._prompt_text(output, streams[prompt_idx].prompt)
+                        prefix = self._prompt_text(output, texts[prompt_idx])
                         echoed.add(index)
                     start = sent_tokens.get(index, 0)
                     logprobs = self._completion_logprobs(
@@ -485,7 +551,7 @@ class OpenAIServing:
                         ],
                         usage=_usage([output]) if continuous else None,
                     )
-                    yield sse(chunk)
+                    yield sse(chunk, with_usage=include_usage or continuous)
             if include_usage:
                 usage = _usage([finals[i] for i in sorted(finals)])
                 yield sse(CompletionChunk(id=base_id, created=created, model=self.response_model(request.model),
@@ -503,14 +569,20 @@ class OpenAIServing:
         add_generation_prompt: bool,
         continue_final_message: bool,
         template_kwargs: dict[str, Any] | None,
+        tools: list[ChatTool] | None = None,
+        chat_template: str | None = None,
     ) -> str:
-        if getattr(self.tokenizer, "chat_template", None) is None:
+        template = chat_template or self.settings.chat_template
+        if template is None and getattr(self.tokenizer, "chat_template", None) is None:
             raise bad_request("This model has no chat template; use /v1/completions instead.")
         conversation = [m.for_template() for m in messages]
+        tool_specs = [t.model_dump(exclude_none=True) for t in tools] if tools else None
 
         def render() -> str:
             return self.tokenizer.apply_chat_template(
                 conversation,
+                tools=tool_specs,
+                chat_template=template,
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
@@ -528,43 +600,87 @@ class OpenAIServing:
     async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
 
+    def chat_output_plan(self, request: ChatCompletionRequest) -> tuple[ChatOutputPlan, StructuredOutputsParams | None]:
+        """How to read the answer (reasoning, tool calls), and the constraint tool_choice adds."""
+        choice = request.effective_tool_choice
+        plan = ChatOutputPlan(reasoning=self.reasoning_parser)
+        tools = request.tools or []
+        if choice == "none" or not tools:
+            return plan, None
+        if choice == "auto":
+            if not (self.settings.enable_auto_tool_choice and self.tool_parser is not None):
+                raise bad_request('"auto" tool choice needs the server started with --enable-auto-tool-choice '
+                                  "and --tool-call-parser.", "tool_choice")
+            plan.tool_parser = self.tool_parser
+            return plan, None
+        if request.response_format is not None or request.structured_outputs is not None:
+            raise bad_request("tool_choice required or named already constrains the output; drop "
+                              "response_format/structured_outputs.", "tool_choice")
+        try:
+            if choice == "required":
+                plan.tool_parser = RequiredChoiceParser()
+                functions = [(t.function.name, t.function.parameters) for t in tools]
+                return plan, required_constraint(functions, request.parallel_tool_calls)
+            assert isinstance(choice, NamedToolChoice)
+            (tool,) = [t for t in tools if t.function.name == choice.function.name]
+            plan.named_function = tool.function.name
+            return plan, named_constraint(tool.function.parameters)
+        except ValueError as exc:  # a schema xgrammar cannot use
+            raise bad_request(f"tools: {exc}", "tools") from None
+
     async def create_chat_completion(self, data: dict[str, Any], raw: Request) -> Response:
         request = parse_model(ChatCompletionRequest, data)
         lora_name = self.check_model(request.model)
         self.check_supported(request)
+        plan, tool_constraint = self.chat_output_plan(request)
         text = await self.render_chat(
             request.messages, request.add_generation_prompt, request.continue_final_message,
-            request.chat_template_kwargs,
+            request.chat_template_kwargs, request.tools, request.chat_template,
         )
         # The template already placed BOS and the like; don't let the tokenizer add them twice.
-        prompt_ids = await self.encode(text, add_special_tokens=False)
+        prompt_ids = self.truncate(await self.encode(text, add_special_tokens=False), request.truncate_prompt_tokens)
         self.check_prompt_length(len(prompt_ids), "messages")
+        self.check_max_tokens(len(prompt_ids), request.effective_max_tokens, "max_tokens")
         top = request.top_logprobs or 0
-        params = self.sampling_params(request, request.effective_max_tokens, top if request.logprobs else None)
+        max_tokens = self.default_max_tokens(request.effective_max_tokens)
+        logprobs = top if request.logprobs else None
+        if tool_constraint is not None:
+            params = self.build_sampling_params(request, max_tokens, logprobs, tool_constraint)
+        else:
+            params = self.sampling_params(request, max_tokens, logprobs)
+        echo = self._chat_echo(request)
         base_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         streams = await self.submit(base_id, [prompt_ids], params, request.cache_salt, lora_name)
         if request.stream:
             return EngineStreamingResponse(
-                self._chat_stream(request, streams[0], base_id, created), media_type="text/event-stream"
+                self._chat_stream(request, streams[0], plan, echo, base_id, created), media_type="text/event-stream"
             )
         (output,) = await cancel_on_disconnect(raw, self.final_outputs(streams))
-        choices = [
-            ChatChoice(
+        choices = []
+        for c in output.outputs:
+            message, called = plan.message(c.text)
+            if echo:
+                message.content = echo + (message.content or "")
+            choices.append(ChatChoice(
                 index=c.index,
-                message=ChatResponseMessage(content=c.text),
+                message=message,
                 logprobs=self._chat_logprobs(c, 0, len(c.token_ids), top) if request.logprobs else None,
-                finish_reason=c.finish_reason,
+                finish_reason=plan.finish_reason(c.finish_reason, called),
                 stop_reason=c.stop_reason,
-            )
-            for c in output.outputs
-        ]
+            ))
         return JSONResponse(
             ChatCompletionResponse(
                 id=base_id, created=created, model=self.response_model(request.model), choices=choices,
                 usage=_usage([output]),
             ).model_dump()
         )
+
+    @staticmethod
+    def _chat_echo(request: ChatCompletionRequest) -> str:
+        """vLLM's chat `echo`: the answer starts with the final message when it is the assistant's."""
+        last = request.messages[-1]
+        return (last.text() or "") if request.echo and last.role == "assistant" else ""
 
     def _chat_logprobs(self, completion: CompletionOutput, start: int, end: int, k: int) -> ChatLogprobs:
         content: list[TokenLogprob] = []
@@ -590,20 +706,22 @@ class OpenAIServing:
         return ChatLogprobs(content=content)
 
     async def _chat_stream(
-        self, request: ChatCompletionRequest, stream: Any, base_id: str, created: int
+        self, request: ChatCompletionRequest, stream: Any, plan: ChatOutputPlan, echo: str, base_id: str,
+        created: int,
     ) -> AsyncIterator[str]:
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         continuous = bool(request.stream_options and request.stream_options.continuous_usage_stats)
+        with_usage = include_usage or continuous
         top = request.top_logprobs or 0
 
         def chunk(choice: ChatStreamChoice, usage: UsageInfo | None = None) -> str:
             return sse(ChatCompletionChunk(id=base_id, created=created, model=self.response_model(request.model),
-                                           choices=[choice], usage=usage))
+                                           choices=[choice], usage=usage), with_usage=with_usage)
 
-        # The first chunk of every choice carries the role, as OpenAI's does.
+        # The first chunk of every choice carries the role, as OpenAI's does (and vLLM's echo).
         for i in range(request.n):
-            yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
-        sent_text: dict[int, int] = {}
+            yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=echo)))
+        streamers = {i: plan.streamer() for i in range(request.n)}
         sent_tokens: dict[int, int] = {}
         done: set[int] = set()
         final: RequestOutput | None = None
@@ -614,32 +732,37 @@ class OpenAIServing:
                     index = completion.index
                     if index in done:
                         continue  # with n > 1, finished choices keep appearing in later outputs
-                    delta = completion.text[sent_text.get(index, 0):]
-                    if not delta and not completion.finished:
+                    if len(completion.token_ids) == sent_tokens.get(index, 0) and not completion.finished:
                         continue
                     if completion.finished:
                         done.add(index)
+                    streamer = streamers[index]
+                    deltas = streamer.update(completion.text, completion.finished)
                     start = sent_tokens.get(index, 0)
                     logprobs = (
                         self._chat_logprobs(completion, start, len(completion.token_ids), top)
                         if request.logprobs else None
                     )
-                    sent_text[index] = len(completion.text)
                     sent_tokens[index] = len(completion.token_ids)
-                    yield chunk(
-                        ChatStreamChoice(
-                            index=index,
-                            delta=DeltaMessage(content=delta),
-                            logprobs=logprobs,
-                            finish_reason=completion.finish_reason,
-                            stop_reason=completion.stop_reason,
-                        ),
-                        _usage([output]) if continuous else None,
-                    )
+                    usage = _usage([output]) if continuous else None
+                    if not deltas and (logprobs is not None or completion.finished):
+                        deltas = [DeltaMessage(content="")]  # logprobs and the finish need a chunk to ride on
+                    for n, delta in enumerate(deltas):
+                        last = n == len(deltas) - 1
+                        yield chunk(
+                            ChatStreamChoice(
+                                index=index,
+                                delta=delta,
+                                logprobs=logprobs if last else None,
+                                finish_reason=(plan.finish_reason(completion.finish_reason, streamer.called)
+                                               if last and completion.finished else None),
+                                stop_reason=completion.stop_reason if last and completion.finished else None,
+                            ),
+                            usage,
+                        )
             if include_usage and final is not None:
                 yield sse(ChatCompletionChunk(id=base_id, created=created, model=self.response_model(request.model),
-                                              choices=[],
-                                              usage=_usage([final])))
+                                              choices=[], usage=_usage([final])))
         except (EngineDeadError, EngineSleepingError, EngineShuttingDownError) as exc:
             err = _engine_error(exc)
             yield sse(error_body(err.status_code, err.message, err.err_type))
@@ -652,7 +775,8 @@ class OpenAIServing:
             chat = parse_model(TokenizeChatRequest, data)
             self.check_model(chat.model)
             text = await self.render_chat(
-                chat.messages, chat.add_generation_prompt, chat.continue_final_message, chat.chat_template_kwargs
+                chat.messages, chat.add_generation_prompt, chat.continue_final_message, chat.chat_template_kwargs,
+                chat.tools, chat.chat_template,
             )
             tokens = await self.encode(text, add_special_tokens=chat.add_special_tokens)
             want_strs = chat.return_token_strs

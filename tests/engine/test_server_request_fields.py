@@ -1,0 +1,173 @@
+"""vLLM's request fields over HTTP, one test each, against the tiny in-process server
+(docs/engine-api.md has the table of supported and refused fields)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from test_server_support import LiveServer, live_server  # noqa: E402
+
+MSG = [{"role": "user", "content": "Say something."}]
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[LiveServer]:
+    with live_server() as live:
+        yield live
+
+
+@pytest.fixture()
+def client(server: LiveServer) -> Iterator[httpx.Client]:
+    with server.client() as c:
+        yield c
+
+
+def events(response: httpx.Response) -> list[Any]:
+    assert response.status_code == 200, response.text
+    lines = [line[len("data: "):] for line in response.text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def complete(client: httpx.Client, **body: Any) -> dict[str, Any]:
+    response = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 6, **GREEDY, **body})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def chat(client: httpx.Client, **body: Any) -> dict[str, Any]:
+    response = client.post("/v1/chat/completions", json={"messages": MSG, "max_tokens": 6, **GREEDY, **body})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def tokenize(client: httpx.Client, **body: Any) -> list[int]:
+    response = client.post("/tokenize", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()["tokens"]
+
+
+@pytest.mark.parametrize("path, body", [("/v1/completions", {"prompt": "hi"}), ("/v1/chat/completions", {"messages": MSG})])
+def test_usage_only_when_include_usage_asks(client: httpx.Client, path: str, body: dict[str, Any]) -> None:
+    plain = events(client.post(path, json={**body, "max_tokens": 3, "stream": True}))
+    assert all("usage" not in chunk for chunk in plain)
+    asked = events(client.post(path, json={**body, "max_tokens": 3, "stream": True,
+                                           "stream_options": {"include_usage": True}}))
+    assert all(chunk["usage"] is None for chunk in asked[:-1])  # OpenAI's shape: null until the last
+    assert asked[-1]["usage"]["completion_tokens"] == 3 and asked[-1]["choices"] == []
+
+
+def test_max_tokens_at_the_context_edge_is_accepted(client: httpx.Client) -> None:
+    prompt_tokens = len(tokenize(client, prompt="hello"))
+    data = complete(client, max_tokens=256 - prompt_tokens)
+    assert data["usage"]["completion_tokens"] == 256 - prompt_tokens
+    refused = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 257 - prompt_tokens})
+    assert refused.status_code == 400 and "maximum context length is 256" in refused.json()["error"]["message"]
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(client: httpx.Client) -> None:
+    long = "the tide comes in and the tide goes out"
+    ids = tokenize(client, prompt=long)
+    truncated = complete(client, prompt=long, truncate_prompt_tokens=3)
+    assert truncated["usage"]["prompt_tokens"] == 3
+    assert truncated["choices"][0]["text"] == complete(client, prompt=ids[-3:])["choices"][0]["text"]
+    assert chat(client, truncate_prompt_tokens=5)["usage"]["prompt_tokens"] == 5
+
+
+def test_min_tokens_holds_back_stop_tokens(client: httpx.Client) -> None:
+    first = complete(client, max_tokens=1, logprobs=0)
+    token = first["choices"][0]["logprobs"]["tokens"][0]
+    token_id = tokenize(client, prompt=token, add_special_tokens=False)[0]
+    stopped = complete(client, stop_token_ids=[token_id], max_tokens=6)
+    assert stopped["usage"]["completion_tokens"] <= 1
+    held = complete(client, stop_token_ids=[token_id], max_tokens=6, min_tokens=4)
+    assert held["usage"]["completion_tokens"] >= 4
+
+
+def test_include_stop_str_in_output(client: httpx.Client) -> None:
+    text = complete(client, max_tokens=8)["choices"][0]["text"]
+    stop = text[3:5]
+    assert complete(client, max_tokens=8, stop=[stop])["choices"][0]["text"] == text[: text.index(stop)]
+    kept = complete(client, max_tokens=8, stop=[stop], include_stop_str_in_output=True)["choices"][0]["text"]
+    assert kept == text[: text.index(stop) + len(stop)]
+
+
+def test_skip_and_space_special_tokens_are_accepted(client: httpx.Client) -> None:
+    base = complete(client)["choices"][0]["text"]
+    assert complete(client, skip_special_tokens=False, spaces_between_special_tokens=False)["choices"][0]["text"] \
+        .replace("<|im_end|>", "") == base.replace("<|im_end|>", "")
+
+
+def test_completion_echo(client: httpx.Client) -> None:
+    data = complete(client, echo=True)
+    assert data["choices"][0]["text"].startswith("hello")
+
+
+def test_chat_echo_and_continue_final_message(client: httpx.Client) -> None:
+    messages = [*MSG, {"role": "assistant", "content": "Sure, here"}]
+    body = {"messages": messages, "add_generation_prompt": False, "continue_final_message": True}
+    plain = chat(client, **body)["choices"][0]["message"]["content"]
+    echoed = chat(client, **body, echo=True)["choices"][0]["message"]["content"]
+    assert echoed == "Sure, here" + plain
+    streamed = events(client.post("/v1/chat/completions",
+                                  json={**body, "max_tokens": 6, **GREEDY, "echo": True, "stream": True}))
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in streamed) == echoed
+
+
+def test_add_generation_prompt_changes_the_prompt(client: httpx.Client) -> None:
+    with_prompt = tokenize(client, messages=MSG, add_generation_prompt=True)
+    without = tokenize(client, messages=MSG, add_generation_prompt=False)
+    assert len(with_prompt) > len(without) and with_prompt[: len(without)] == without
+
+
+def test_chat_template_and_its_kwargs(client: httpx.Client) -> None:
+    template = "{% for m in messages %}[{{ m['role'] }}|{{ m['content'] }}|{{ mood }}]{% endfor %}"
+    ids = tokenize(client, messages=MSG, chat_template=template, chat_template_kwargs={"mood": "calm"})
+    assert ids == tokenize(client, prompt="[user|Say something.|calm]", add_special_tokens=False)
+    data = chat(client, chat_template=template, chat_template_kwargs={"mood": "calm"})
+    assert data["usage"]["prompt_tokens"] == len(ids)
+
+
+def test_generation_config_defaults_apply_to_fields_left_out() -> None:
+    # A generation config with temperature 0: a request without temperature samples greedily.
+    with live_server(default_sampling={"temperature": 0.0, "max_tokens": 5}) as live, live.client() as c:
+        body = {"prompt": "hello", "ignore_eos": True}
+        defaulted = c.post("/v1/completions", json={**body, "max_tokens": None}).json()
+        explicit = c.post("/v1/completions", json={**body, "temperature": 0, "max_tokens": 5}).json()
+        assert defaulted["choices"][0]["text"] == explicit["choices"][0]["text"]
+        assert defaulted["usage"]["completion_tokens"] == 5
+
+
+def test_generation_config_modes(tmp_path: Path) -> None:
+    from tidal_engine.server.generation_config import load_sampling_defaults
+
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_new_tokens": 64, "do_sample": True, "eos_token_id": 2}))
+    model = str(tmp_path / "model")
+    expected = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_tokens": 64}
+    assert load_sampling_defaults(str(tmp_path), model) == expected
+    assert load_sampling_defaults(str(tmp_path / "generation_config.json"), model) == expected
+    assert load_sampling_defaults("vllm", model) == {}  # vLLM's neutral defaults: greedy stays greedy
+    with pytest.raises(ValueError, match="cannot read"):
+        load_sampling_defaults(str(tmp_path / "missing"), model)
+
+
+def test_tokenizer_flag_serves_with_that_tokenizer(tmp_path: Path) -> None:
+    from tiny_tokenizer import save_byte_tokenizer
+
+    save_byte_tokenizer(tmp_path)  # a byte-level tokenizer: one id per byte
+    with live_server(engine={"tokenizer": str(tmp_path)}) as live, live.client() as c:
+        assert c.post("/tokenize", json={"prompt": "hello", "add_special_tokens": False}).json()["tokens"] == \
+            list(b"hello")
+        data = c.post("/v1/completions", json={"prompt": "hello", "max_tokens": 3, "temperature": 0}).json()
+        assert data["usage"]["prompt_tokens"] == 5
