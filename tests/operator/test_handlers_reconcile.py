@@ -223,6 +223,23 @@ async def test_a_pod_of_that_name_controlled_by_something_else_is_left_alone(kub
     assert "ReplicaSet rs" in warning["message"]
 
 
+async def test_a_users_service_of_that_name_is_never_patched_and_is_reported(kube: Kube) -> None:
+    users = {"metadata": {"name": "m", "namespace": NS},
+             "spec": {"selector": {"app": "mine"}, "ports": [{"name": "web", "port": 80}]}}
+    await kube.request("POST", f"/api/v1/namespaces/{NS}/services", body=users)
+    await create(kube, body())
+    outcome = await run(kube)
+    assert outcome is not None and outcome.valid and len(outcome.created) == 1  # the Pods still come up
+    service = await kube.get_service(NS, "m")
+    assert service["spec"]["selector"] == {"app": "mine"} and service["spec"]["ports"][0]["port"] == 80
+    status = (await kube.get_llmservice(NS, "m"))["status"]
+    degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "ServiceConflict")
+    assert "endpoint" not in status
+    (warning,) = await events(kube, "ServiceConflict")
+    assert warning["type"] == "Warning" and "Service m exists" in warning["message"]
+
+
 async def test_label_drift_is_restored_and_container_drift_replaced(kube: Kube) -> None:
     await create(kube, body())
     await run(kube)

@@ -104,9 +104,8 @@ async def reconcile(kube: Kube, config: OperatorConfig, namespace: str, name: st
     spec, _ = parse_spec(raw_spec)
     assert spec is not None
 
-    # 2. The headless Service.
-    if ensure_service:
-        await ensure_service_for(kube, config, llm)
+    # 2. The headless Service (read on every pass, so a Service someone else owns stays reported).
+    service_conflict = await ensure_service_for(kube, config, llm, repair=ensure_service)
 
     # 3. Drift: restore operator-owned labels/annotations; a hand-edited container is replaced.
     hash_ = spec_hash(spec, config)
@@ -150,7 +149,8 @@ async def reconcile(kube: Kube, config: OperatorConfig, namespace: str, name: st
         pods = await owned_pods(kube, namespace, uid)
 
     # 5. Status: what is true now.
-    status = compute_status(llm, pods, [], generation, now, config=config, desired=want)
+    status = compute_status(llm, pods, [], generation, now, config=config, desired=want,
+                            service_conflict=service_conflict)
     builtin = spec.autoscaling is not None and spec.autoscaling.mode == "builtin"
     patch = status_patch(status, old_status, autoscaler_owns_desired=builtin and desired_replicas_fn is not None)
     if patch:
@@ -210,15 +210,24 @@ async def write_invalid_status(kube: Kube, config: OperatorConfig, llm: Obj, pod
         await kube.post_event(llm, type_="Warning", reason="InvalidSpec", message=str(after.get("message")))
 
 
-async def ensure_service_for(kube: Kube, config: OperatorConfig, llm: Obj) -> None:
+async def ensure_service_for(kube: Kube, config: OperatorConfig, llm: Obj, *, repair: bool = True) -> str | None:
+    """Create the headless Service, or put its selector and ports back (`repair`). A Service of
+    that name this LLMService doesn't control (a user's) is never changed: the returned message
+    says so, for the ServiceConflict condition."""
     desired = service_manifest(llm, config)
     namespace, name = desired["metadata"]["namespace"], desired["metadata"]["name"]
     current = await kube.get_service(namespace, name)
     if current is None:
-        if await kube.create_service(namespace, desired):
+        if repair and await kube.create_service(namespace, desired):
             await kube.post_event(llm, type_="Normal", reason="CreatedService", message=f"created service {name}")
-        return
+        return None
+    if not owned_by(current, llm["metadata"]["uid"]):
+        other = controller_ref(current)
+        by = f"controlled by {other.get('kind')} {other.get('name')}" if other else "not created by this LLMService"
+        return (f"Service {name} exists and is {by}: it is left alone and the LLMService has no "
+                "Service endpoint; delete or rename that Service, or rename the LLMService")
     have, want = current.get("spec") or {}, desired["spec"]
-    if have.get("selector") != want["selector"] or have.get("ports") != want["ports"]:
+    if repair and (have.get("selector") != want["selector"] or have.get("ports") != want["ports"]):
         # Selector and ports only: clusterIP is immutable, and other fields may be defaulted.
         await kube.patch_service(namespace, name, {"spec": {"selector": want["selector"], "ports": want["ports"]}})
+    return None

@@ -129,9 +129,11 @@ def compute_status(
     *,
     config: OperatorConfig | None = None,
     desired: int | None = None,
+    service_conflict: str | None = None,
 ) -> dict[str, Any]:
     """The LLMService's status from observation. `pods` are its engine Pod objects;
-    `desired` overrides desired_replicas() (the autoscaler's decision, when it has one)."""
+    `desired` overrides desired_replicas() (the autoscaler's decision, when it has one);
+    `service_conflict`: why the Service of this name isn't ours (then there is no endpoint)."""
     config = config or OperatorConfig()
     meta = llm.get("metadata") or {}
     name = meta.get("name", "")
@@ -191,11 +193,15 @@ def compute_status(
     converged = not old and len(updated) == want and len(updated_ready) == want
     # Stuck Pods matter when replicas are missing, and a stuck new Pod matters even while old
     # Pods serve: otherwise a rollout that can never finish looks healthy.
-    degraded = (bool(stuck) and len(ready) < want) or bool(stalled)
-    if degraded:
-        problems = stalled + [s for s in stuck if s not in stalled]
-        degraded_cond = cond("Degraded", True, problems[0].reason,
-                             "; ".join(f"pod {s.pod}: {s.reason}: {s.message}" for s in problems))
+    pod_problems = stalled + [s for s in stuck if s not in stalled] if stalled or (stuck and len(ready) < want) else []
+    degraded = bool(pod_problems) or service_conflict is not None
+    if service_conflict is not None:
+        out.pop("endpoint")  # the Service of that name is someone else's
+    if pod_problems:
+        degraded_cond = cond("Degraded", True, pod_problems[0].reason,
+                             "; ".join(f"pod {s.pod}: {s.reason}: {s.message}" for s in pod_problems))
+    elif service_conflict is not None:
+        degraded_cond = cond("Degraded", True, "ServiceConflict", service_conflict)
     else:
         degraded_cond = cond("Degraded", False, "AsExpected", "no Pod is stuck")
 
@@ -205,8 +211,9 @@ def compute_status(
                           else "spec.replicas is 0")
     elif len(ready) >= want:
         ready_cond = cond("Ready", True, "ReplicasReady", f"{len(ready)}/{want} replicas ready")
-    elif degraded:
-        ready_cond = cond("Ready", False, stuck[0].reason, f"{len(ready)}/{want} replicas ready; {stuck[0].message}")
+    elif pod_problems:
+        ready_cond = cond("Ready", False, pod_problems[0].reason,
+                          f"{len(ready)}/{want} replicas ready; {pod_problems[0].message}")
     else:
         ready_cond = cond("Ready", False, "WaitingForReplicas", f"{len(ready)}/{want} replicas ready")
 
