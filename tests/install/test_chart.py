@@ -376,8 +376,20 @@ KOPF_NAMESPACES = {("", "namespaces", "list"), ("", "namespaces", "watch")}  # n
 PEERING_VERBS = ("list", "watch", "patch")  # kopf: watch the peering object, patch heartbeats
 
 
+def owner_reference_calls() -> set[tuple[str, str, str]]:
+    """What the operator's ownerReferences need beyond its own calls: setting
+    `blockOwnerDeletion: true` on a dependent requires `update` on the owner's `finalizers`
+    subresource under the OwnerReferencesPermissionEnforcement admission plugin (OpenShift's
+    default), read from the ownerReference the operator actually writes."""
+    from tidal_operator import labels as L
+    from tidal_operator.reconcile.manifests import owner_reference
+
+    ref = owner_reference({"metadata": {"name": "m", "uid": "u"}})
+    return {(L.GROUP, f"{L.PLURAL}/finalizers", "update")} if ref.get("blockOwnerDeletion") else set()
+
+
 def operator_calls() -> set[tuple[str, str, str]]:
-    return operator_rest_calls() | kopf_calls()
+    return operator_rest_calls() | kopf_calls() | owner_reference_calls()
 
 
 def effective_permissions(objs: list[dict[str, Any]], service_account: str) -> set[Perm]:
@@ -474,6 +486,7 @@ def test_operator_calls_found_in_code() -> None:
         ("", "secrets", "get"), ("", "events", "create"),
         ("kopf.dev", "kopfpeerings", "get"), ("kopf.dev", "clusterkopfpeerings", "get"),
     }
+    assert owner_reference_calls() == {("tidal.dev", "llmservices/finalizers", "update")}
     assert kopf_calls() == {
         ("", "events", "create"),
         ("tidal.dev", "llmservices", "list"), ("tidal.dev", "llmservices", "watch"),

@@ -129,6 +129,12 @@ Its own calls are the Kube class (operator/tidal_operator/kube.py); kopf adds wa
 - apiGroups: ["tidal.dev"]
   resources: ["llmservices/status"]
   verbs: ["patch"]
+# Pods and the Service carry an ownerReference with blockOwnerDeletion: true, which the
+# OwnerReferencesPermissionEnforcement admission plugin (OpenShift's default) allows only with
+# update on the owner's finalizers. The operator never adds a finalizer.
+- apiGroups: ["tidal.dev"]
+  resources: ["llmservices/finalizers"]
+  verbs: ["update"]
 # Engine Pods are managed directly (no Deployment): create, roll, restore drift, remove;
 # get: a create that met AlreadyExists reads the Pod to adopt an orphan of that name.
 - apiGroups: [""]
