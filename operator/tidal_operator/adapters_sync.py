@@ -30,6 +30,7 @@ from . import labels as L
 from .api.types import OperatorConfig
 from .api.validation import parse_spec
 from .engine_client import EngineClient, EngineError
+from .kube import MANAGER_ADAPTERS, ApiError
 from .loops import run_rounds
 from .reconcile.adapters import (
     AdapterTarget,
@@ -39,7 +40,6 @@ from .reconcile.adapters import (
     annotation_value,
     desired_adapters,
     loaded_after,
-    merge_condition,
     plan_replica,
     pod_annotation,
     pod_is_ready,
@@ -119,14 +119,15 @@ class AdapterSync:
         previous_entries = list(status.get("adapters") or [])  # copied: the patch may update `llm` in place
         entries, condition = adapters_status(targets, results, status.get("conditions"),
                                              meta.get("generation"), self.clock())
-        # The conditions list is written whole: merge into the freshest copy, so a reconcile's
-        # conditions written while engines were being called are not put back to stale values.
-        fresh = await self.cluster.get_llmservice(namespace, name)
-        if fresh is None:  # deleted meanwhile
-            return None
-        current = (fresh.get("status") or {}).get("conditions")
-        outcome.status = {"adapters": entries, "conditions": merge_condition(current, condition)}
-        await self.cluster.patch_llmservice_status(namespace, name, outcome.status)
+        # Server-side apply with its own field manager: only `adapters` and the AdaptersReady
+        # condition are this controller's; the reconcile's conditions are never written here.
+        outcome.status = {"adapters": entries, "conditions": [condition]}
+        try:
+            await self.cluster.apply_llmservice_status(namespace, name, outcome.status, manager=MANAGER_ADAPTERS)
+        except ApiError as exc:
+            if exc.not_found:
+                return None  # deleted meanwhile
+            raise
         await self._events(llm, previous_entries, entries, outcome)
         return outcome
 

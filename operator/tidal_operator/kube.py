@@ -28,7 +28,12 @@ log = logging.getLogger(__name__)
 Obj = dict[str, Any]
 
 MERGE_PATCH = "application/merge-patch+json"
+APPLY_PATCH = "application/apply-patch+yaml"  # JSON is YAML: the body is sent as JSON
 COMPONENT = "tidal-operator"
+# Server-side apply field managers: one per controller that writes an LLMService's status, so
+# each owns its own fields and conditions (the CRD lists conditions as a map keyed by type).
+MANAGER_RECONCILER = "tidal-operator"
+MANAGER_ADAPTERS = "tidal-operator-adapters"
 
 
 class ApiError(Exception):
@@ -108,6 +113,16 @@ class Kube:
 
     async def list_llmservices(self, namespace: str | None = None) -> list[Obj]:
         return list((await self.request("GET", self._llm_path(namespace))).get("items") or [])
+
+    async def apply_llmservice_status(self, namespace: str, name: str, status: Mapping[str, Any], *,
+                                      manager: str) -> Obj:
+        """Server-side apply of `/status` as `manager`: the fields it sends are its own, the ones
+        it sent before and leaves out now are removed, other managers' fields stay. Forced: each
+        field has one writing controller by design, so taking it over is never a surprise."""
+        body = {"apiVersion": L.API_VERSION, "kind": L.KIND, "metadata": {"name": name, "namespace": namespace},
+                "status": dict(status)}
+        return await self.request("PATCH", self._llm_path(namespace, name) + "/status", body=body,
+                                  query={"fieldManager": manager, "force": "true"}, content_type=APPLY_PATCH)
 
     async def patch_llmservice_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> Obj:
         """Merge-patch `/status` only: the operator never writes spec."""

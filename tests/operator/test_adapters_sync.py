@@ -51,8 +51,14 @@ class FakeCluster:
         meta = self.pods[name]["metadata"]
         meta.setdefault("annotations", {}).update(patch["metadata"]["annotations"])
 
-    async def patch_llmservice_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:
-        self.llm.setdefault("status", {}).update(status)
+    async def apply_llmservice_status(self, namespace: str, name: str, status: Mapping[str, Any], *,
+                                      manager: str) -> None:
+        # What the API server's apply does to these two fields: conditions merge by type.
+        assert manager == "tidal-operator-adapters"
+        current = self.llm.setdefault("status", {})
+        mine = {c["type"] for c in status.get("conditions") or []}
+        kept = [c for c in current.get("conditions") or [] if c["type"] not in mine]
+        current.update({**status, "conditions": kept + list(status.get("conditions") or [])})
 
     async def post_event(self, involved: Mapping[str, Any], *, type_: str, reason: str, message: str) -> None:
         self.events.append((type_, reason, message))

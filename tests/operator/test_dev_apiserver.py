@@ -156,6 +156,58 @@ def test_four_patch_types(server: ApiServerHandle, core: k8s.CoreV1Api, ns: str)
     assert exc.value.code == 409
 
 
+def test_server_side_apply_of_status_with_one_manager_per_controller(server: ApiServerHandle, ns: str) -> None:
+    """Two controllers apply their own conditions of one status (a list keyed by `type`): each
+    keeps its own, a field one of them stops sending is removed, another manager's field
+    with a different value is a conflict unless forced, and a field someone else changed
+    since is not removed."""
+    base = f"{server.url}/apis/tidal.test/v1/namespaces/{ns}/gadgets"
+
+    def call(method: str, url: str, body: Any, content_type: str = "application/json") -> dict[str, Any]:
+        request = urllib.request.Request(url, data=json.dumps(body).encode(), method=method,
+                                         headers={"Content-Type": content_type})
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return json.loads(response.read())
+
+    def apply(manager: str, status: dict[str, Any], force: bool = True) -> dict[str, Any]:
+        config = {"apiVersion": "tidal.test/v1", "kind": "Gadget", "metadata": {"name": "s"}, "status": status}
+        query = f"?fieldManager={manager}" + ("&force=true" if force else "")
+        return call("PATCH", f"{base}/s/status{query}", config, "application/apply-patch+yaml")
+
+    def cond(type_: str, status: str) -> dict[str, str]:
+        return {"type": type_, "status": status}
+
+    call("POST", base, {"apiVersion": "tidal.test/v1", "kind": "Gadget", "metadata": {"name": "s"}, "spec": {}})
+    apply("reconciler", {"phase": "Ready", "endpoint": "http://x", "conditions": [cond("Ready", "True")]})
+    both = apply("adapters", {"conditions": [cond("AdaptersReady", "True")]})
+    assert [c["type"] for c in both["status"]["conditions"]] == ["Ready", "AdaptersReady"]
+    assert {e["manager"] for e in both["metadata"]["managedFields"]} == {"reconciler", "adapters"}
+
+    # The reconciler no longer sends `endpoint` and changes its condition: AdaptersReady stays.
+    after = apply("reconciler", {"phase": "Failed", "conditions": [cond("Ready", "False")]})
+    assert "endpoint" not in after["status"] and after["status"]["phase"] == "Failed"
+    assert {c["type"]: c["status"] for c in after["status"]["conditions"]} == {"Ready": "False",
+                                                                              "AdaptersReady": "True"}
+    # The same apply again writes nothing.
+    again = apply("reconciler", {"phase": "Failed", "conditions": [cond("Ready", "False")]})
+    assert again["metadata"]["resourceVersion"] == after["metadata"]["resourceVersion"]
+
+    # Another manager's field with another value: a conflict, unless forced.
+    with pytest.raises(urllib.error.HTTPError) as exc:
+        apply("adapters", {"phase": "Ready", "conditions": [cond("AdaptersReady", "True")]}, force=False)
+    assert exc.value.code == 409 and "reconciler" in json.loads(exc.value.read())["message"]
+    apply("adapters", {"phase": "Ready", "conditions": [cond("AdaptersReady", "True")]})
+    dropped = apply("reconciler", {"conditions": [cond("Ready", "False")]})
+    assert dropped["status"]["phase"] == "Ready"  # the adapters manager owns it now
+
+    # A merge patch takes the field it changes away from its applier.
+    call("PATCH", f"{base}/s/status", {"status": {"note": "mine"}}, "application/merge-patch+json")
+    apply("reconciler", {"note": "applied", "conditions": [cond("Ready", "False")]})
+    call("PATCH", f"{base}/s/status", {"status": {"note": "edited"}}, "application/merge-patch+json")
+    kept = apply("reconciler", {"conditions": [cond("Ready", "False")]})
+    assert kept["status"]["note"] == "edited"
+
+
 def test_strategic_merge_of_named_lists(core: k8s.CoreV1Api, ns: str) -> None:
     pod = {"metadata": {"name": "sm"}, "spec": {"containers": [
         {"name": "a", "image": "x", "env": [{"name": "A", "value": "1"}, {"name": "B", "value": "2"}]},

@@ -297,20 +297,47 @@ def test_owner_name_and_replica_index() -> None:
     assert replica_index("other-0123456789-1", "m", "0123456789") is None
 
 
-def test_status_patch_sets_changes_and_clears_stale_fields() -> None:
-    old = {"phase": "Ready", "endpoint": "http://x", "desiredReplicas": 3, "scalingHistory": [1]}
-    new = {"phase": "Failed", "conditions": []}
-    assert H.status_patch(new, old) == {"phase": "Failed", "conditions": [], "endpoint": None}
-    assert H.status_patch({"phase": "Ready"}, {"phase": "Ready"}) is None
+def test_status_to_apply_holds_its_own_fields_and_nothing_when_unchanged() -> None:
+    old = {"phase": "Ready", "endpoint": "http://x", "desiredReplicas": 3, "scalingHistory": [1],
+           "conditions": [{"type": "AdaptersReady", "status": "True"}]}
+    new = {"phase": "Failed", "conditions": [{"type": "Ready", "status": "False"}]}
+    # endpoint is left out, so the apply removes it; AdaptersReady is not the reconcile's.
+    assert H.status_to_apply(new, old) == {"phase": "Failed", "conditions": [{"type": "Ready", "status": "False"}]}
+    same = {"phase": "Ready", "conditions": [{"type": "Ready", "status": "True"}]}
+    assert H.status_to_apply(same, {**same, "conditions": [*same["conditions"], {"type": "AdaptersReady"}]}) is None
 
 
-def test_status_patch_leaves_desired_replicas_to_the_autoscaler_when_it_owns_them() -> None:
+def test_status_to_apply_leaves_desired_replicas_to_the_autoscaler_when_it_owns_them() -> None:
     # One writer of replica counts: with builtin autoscaling running, only its loop writes
     # status.desiredReplicas; the reconcile writes it otherwise (spec.replicas, HPA, KEDA).
-    old = {"phase": "Ready", "desiredReplicas": 3}
-    new = {"phase": "Ready", "desiredReplicas": 1}
-    assert H.status_patch(new, old) == {"desiredReplicas": 1}
-    assert H.status_patch(new, old, autoscaler_owns_desired=True) is None
+    old = {"phase": "Ready", "desiredReplicas": 3, "conditions": []}
+    new = {"phase": "Ready", "desiredReplicas": 1, "conditions": []}
+    assert H.status_to_apply(new, old) == {"phase": "Ready", "desiredReplicas": 1, "conditions": []}
+    assert H.status_to_apply(new, old, autoscaler_owns_desired=True) is None
+
+
+async def test_the_reconcile_and_the_adapter_sync_each_keep_their_own_conditions(kube: Kube) -> None:
+    from tidal_operator.kube import MANAGER_ADAPTERS
+
+    await create(kube, body())
+    await run(kube)
+    adapters = {"type": "AdaptersReady", "status": "False", "reason": "Loading", "message": "sql: loading"}
+    await kube.apply_llmservice_status(NS, "m", {"adapters": [], "conditions": [adapters]}, manager=MANAGER_ADAPTERS)
+    (pod,) = await pods(kube)
+    await set_ready(kube, pod["metadata"]["name"])
+    await run(kube)  # Ready now: the reconcile rewrites its conditions
+    status = (await kube.get_llmservice(NS, "m"))["status"]
+    by_type = {c["type"]: c for c in status["conditions"]}
+    assert by_type["Ready"]["status"] == "True" and by_type["AdaptersReady"]["reason"] == "Loading"
+    # An invalid edit: the reconcile drops its endpoint, the adapter sync's condition stays.
+    await kube.request("PATCH", f"/apis/{L.GROUP}/{L.VERSION}/namespaces/{NS}/{L.PLURAL}/m",
+                       content_type="application/merge-patch+json", body={"spec": {"quantization": {"weights": "int3"}}})
+    await run(kube)
+    status = (await kube.get_llmservice(NS, "m"))["status"]
+    assert "endpoint" not in status and status["desiredReplicas"] == 1
+    assert "AdaptersReady" in {c["type"] for c in status["conditions"]}
+    managers = {e["manager"] for e in (await kube.get_llmservice(NS, "m"))["metadata"]["managedFields"]}
+    assert managers == {"tidal-operator", MANAGER_ADAPTERS}
 
 
 def test_config_from_env() -> None:

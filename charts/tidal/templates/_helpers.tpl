@@ -125,7 +125,8 @@ Its own calls are the Kube class (operator/tidal_operator/kube.py); kopf adds wa
 - apiGroups: ["tidal.dev"]
   resources: ["llmservices"]
   verbs: ["get", "list", "watch", "patch"]
-# Merge-patches of /status: the operator's only output on an LLMService (it never writes spec).
+# Patches of /status (server-side apply, one field manager per controller): the operator's only
+# output on an LLMService (it never writes spec).
 - apiGroups: ["tidal.dev"]
   resources: ["llmservices/status"]
   verbs: ["patch"]

@@ -16,11 +16,11 @@ from typing import Any, Awaitable, Callable, Mapping
 
 from ..api.types import LLMServiceSpec, OperatorConfig
 from ..api.validation import ValidationProblem, parse_spec, validate_spec
-from ..kube import ApiError, Kube
+from ..kube import MANAGER_RECONCILER, ApiError, Kube
 from ..reconcile.manifests import (CONTAINER_NAME, metadata_drift, owner_reference, pod_manifest, service_manifest,
                                    spec_hash)
 from ..reconcile.pods import PodView, plan_pods
-from ..reconcile.status import compute_status, desired_replicas
+from ..reconcile.status import CONDITION_TYPES, compute_status, desired_replicas
 from ..secret_refs import referenced_secrets
 from .ownership import adoption_patch, controller_ref, owned_by, replica_index
 
@@ -32,7 +32,7 @@ DesiredReplicasFn = Callable[[Obj, LLMServiceSpec, list[Obj]], Awaitable["int | 
 
 # Status fields compute_status owns. One it leaves out this time (the endpoint of a spec
 # that became invalid) is removed, so status never shows something stale. desiredReplicas
-# is left alone: the autoscaler's decision survives an invalid spec.
+# is apart: the autoscaler's decision survives an invalid spec.
 OWNED_STATUS_FIELDS = ("observedGeneration", "phase", "replicas", "readyReplicas", "updatedReplicas",
                        "sleepingReplicas", "replicasText", "selector", "servedModelName", "specHash",
                        "endpoint", "podEndpoints", "conditions")
@@ -58,20 +58,30 @@ def spec_drifted(desired: Mapping[str, Any], actual: Mapping[str, Any]) -> bool:
     return any(want.get(k) != have.get(k) for k in ("image", "command", "args"))
 
 
-def status_patch(new: Mapping[str, Any], old: Mapping[str, Any], *, autoscaler_owns_desired: bool = False) -> Obj | None:
-    """The merge patch from `old` to `new` over the fields compute_status owns; None if equal.
-    `status.desiredReplicas` has one writer: the builtin autoscaler when it runs for this
-    LLMService (`autoscaler_owns_desired`), else the reconcile (spec.replicas, HPA, KEDA)."""
-    patch: Obj = {}
-    for key in OWNED_STATUS_FIELDS:
-        if key in new:
-            if old.get(key) != new[key]:
-                patch[key] = new[key]
-        elif old.get(key) is not None:
-            patch[key] = None
-    if not autoscaler_owns_desired and "desiredReplicas" in new and old.get("desiredReplicas") != new["desiredReplicas"]:
-        patch["desiredReplicas"] = new["desiredReplicas"]
-    return patch or None
+def status_to_apply(new: Mapping[str, Any], old: Mapping[str, Any], *,
+                    autoscaler_owns_desired: bool = False) -> Obj | None:
+    """What the reconcile applies to `/status` (server-side apply, its own field manager): the
+    fields compute_status owns and its own conditions; None when that changes nothing, so an
+    unchanged pass writes nothing. A field it leaves out (the endpoint of a spec that became
+    invalid) is removed by the apply. `status.desiredReplicas` has one writer: the builtin
+    autoscaler when it runs for this LLMService (`autoscaler_owns_desired`), else the reconcile
+    (spec.replicas, HPA, KEDA)."""
+    out: Obj = {k: new[k] for k in OWNED_STATUS_FIELDS if k in new and k != "conditions"}
+    out["conditions"] = [c for c in new.get("conditions") or [] if c.get("type") in CONDITION_TYPES]
+    if not autoscaler_owns_desired and "desiredReplicas" in new:
+        out["desiredReplicas"] = new["desiredReplicas"]
+    old_conditions = [c for c in old.get("conditions") or [] if c.get("type") in CONDITION_TYPES]
+    unchanged = (all(old.get(k) == v for k, v in out.items() if k != "conditions")
+                 and old_conditions == out["conditions"]
+                 and not any(old.get(k) is not None for k in OWNED_STATUS_FIELDS if k not in out))
+    return None if unchanged else out
+
+
+def owns_status_field(llm: Mapping[str, Any], manager: str, field_name: str) -> bool:
+    """Whether `manager`'s server-side applies own `status.<field_name>` (managedFields)."""
+    return any(entry.get("manager") == manager and entry.get("subresource") == "status"
+               and f"f:{field_name}" in ((entry.get("fieldsV1") or {}).get("f:status") or {})
+               for entry in (llm.get("metadata") or {}).get("managedFields") or [])
 
 
 def condition(status: Mapping[str, Any], type_: str) -> Mapping[str, Any]:
@@ -152,9 +162,10 @@ async def reconcile(kube: Kube, config: OperatorConfig, namespace: str, name: st
     status = compute_status(llm, pods, [], generation, now, config=config, desired=want,
                             service_conflict=service_conflict)
     builtin = spec.autoscaling is not None and spec.autoscaling.mode == "builtin"
-    patch = status_patch(status, old_status, autoscaler_owns_desired=builtin and desired_replicas_fn is not None)
-    if patch:
-        await kube.patch_llmservice_status(namespace, name, patch)
+    applied = status_to_apply(status, old_status,
+                              autoscaler_owns_desired=builtin and desired_replicas_fn is not None)
+    if applied:
+        await kube.apply_llmservice_status(namespace, name, applied, manager=MANAGER_RECONCILER)
     degraded, was_degraded = condition(status, "Degraded"), condition(old_status, "Degraded")
     if degraded.get("status") == "True" and (was_degraded.get("status") != "True"
                                               or was_degraded.get("reason") != degraded.get("reason")):
@@ -202,9 +213,13 @@ async def write_invalid_status(kube: Kube, config: OperatorConfig, llm: Obj, pod
     meta = llm["metadata"]
     old_status = llm.get("status") or {}
     status = compute_status(llm, pods, problems, generation, now, config=config)
-    patch = status_patch(status, old_status)
-    if patch:
-        await kube.patch_llmservice_status(meta["namespace"], meta["name"], patch)
+    applied = status_to_apply(status, old_status, autoscaler_owns_desired=True)
+    if applied and "desiredReplicas" in old_status and owns_status_field(llm, MANAGER_RECONCILER, "desiredReplicas"):
+        # Keep the count it wrote (applying without it would remove it): an invalid edit
+        # changes no replica count.
+        applied["desiredReplicas"] = old_status["desiredReplicas"]
+    if applied:
+        await kube.apply_llmservice_status(meta["namespace"], meta["name"], applied, manager=MANAGER_RECONCILER)
     before, after = condition(old_status, "Validated"), condition(status, "Validated")
     if before.get("status") != "False" or before.get("message") != after.get("message"):
         await kube.post_event(llm, type_="Warning", reason="InvalidSpec", message=str(after.get("message")))

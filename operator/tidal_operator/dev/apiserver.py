@@ -369,7 +369,8 @@ class ApiServer:
             return _json(self.api.present(obj, rt, version))
         if method == "PATCH" and name is not None and sub != "log":
             code, obj = self.api.patch(rt, namespace, name, request.content_type, await request.read(),
-                                       subresource=sub, version=version, dry_run=dry_run)
+                                       subresource=sub, version=version, dry_run=dry_run,
+                                       field_manager=query.get("fieldManager"), force=_truthy(query.get("force")))
             return _json(self.api.present(obj, rt, version), code)
         if method == "DELETE" and sub is None:
             options = await self._delete_options(request)

@@ -15,6 +15,8 @@ from typing import Any, Callable
 
 import yaml
 
+from . import apply as ssa
+
 from .patch import PatchError, PatchTestFailed, json_patch, merge_patch, strategic_merge_patch
 from .store import Obj, ResourceKey, ResourceType, Store, builtin_types
 
@@ -52,6 +54,14 @@ def not_found(rt: ResourceType, name: str) -> ApiError:
 def now_iso(offset_s: float = 0.0) -> str:
     moment = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=offset_s)
     return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+DEFAULT_APPLIER = "unknown"  # an apply without ?fieldManager (kube-apiserver refuses those)
+
+
+def _without_managed(obj: Obj) -> Obj:
+    meta = {k: v for k, v in (obj.get("metadata") or {}).items() if k not in ("managedFields", "resourceVersion")}
+    return {**obj, "metadata": meta}
 
 
 def _content(obj: Obj) -> Obj:
@@ -207,8 +217,11 @@ class ObjectApi:
     # --- update ----------------------------------------------------------------------------------
 
     def update(self, rt: ResourceType, namespace: str | None, name: str, body: Any, *,
-               subresource: str | None = None, version: str | None = None, dry_run: bool = False) -> Obj:
-        """PUT semantics; PATCH computes the full new object and lands here too."""
+               subresource: str | None = None, version: str | None = None, dry_run: bool = False,
+               managed: list[Obj] | None = None) -> Obj:
+        """PUT semantics; PATCH computes the full new object and lands here too. `managed`: the
+        managedFields a server-side apply computed; any other write takes the fields it changes
+        away from their appliers (dev/apply.py)."""
         old = self.get(rt, namespace, name)
         if not isinstance(body, dict) or not isinstance(body.get("metadata", {}), dict):
             raise ApiError(400, "BadRequest", "the body must be an object with metadata")
@@ -243,6 +256,14 @@ class ObjectApi:
         new["apiVersion"] = old["apiVersion"]
         new["kind"] = rt.kind
         new["metadata"] = {**new["metadata"], "resourceVersion": old["metadata"]["resourceVersion"]}
+        if managed is None:
+            owners = ssa.managers(old)
+            ssa.strip_changed(_without_managed(old), _without_managed(new), owners)
+            managed = ssa.managed_fields(owners, old["apiVersion"], old["metadata"].get("managedFields") or [], None)
+        if managed:
+            new["metadata"]["managedFields"] = managed
+        else:
+            new["metadata"].pop("managedFields", None)
         if _content(new) != _content(old):
             new["metadata"]["generation"] = old["metadata"].get("generation", 1) + 1
         if new == old:
@@ -259,7 +280,8 @@ class ObjectApi:
         return new
 
     def patch(self, rt: ResourceType, namespace: str | None, name: str, content_type: str, raw: bytes, *,
-              subresource: str | None = None, version: str | None = None, dry_run: bool = False) -> tuple[int, Obj]:
+              subresource: str | None = None, version: str | None = None, dry_run: bool = False,
+              field_manager: str | None = None, force: bool = False) -> tuple[int, Obj]:
         media = content_type.split(";")[0].strip()
         try:
             payload = yaml.safe_load(raw) if media == APPLY_PATCH else _json_loads(raw)
@@ -270,6 +292,10 @@ class ObjectApi:
             if media == APPLY_PATCH and subresource is None:  # server-side apply creates
                 if isinstance(payload, dict):
                     payload.setdefault("metadata", {}).setdefault("name", name)
+                    owned = ssa.field_paths(ssa.owned_part(payload, None, rt.has_status))
+                    owned.pop((), None)
+                    payload["metadata"]["managedFields"] = ssa.managed_fields(
+                        {(field_manager or DEFAULT_APPLIER, ""): set(owned)}, rt.api_version(version), [], None)
                 return 201, self.create(rt, namespace, payload, version=version, dry_run=dry_run)
             raise not_found(rt, name)
         try:
@@ -277,10 +303,13 @@ class ObjectApi:
                 new = merge_patch(existing, payload)
             elif media == JSON_PATCH:
                 new = json_patch(existing, payload)
-            elif media in (STRATEGIC_PATCH, APPLY_PATCH):
-                if media == APPLY_PATCH and isinstance(payload, dict):
-                    payload = {k: v for k, v in payload.items() if k not in ("apiVersion", "kind")}
-                    payload.get("metadata", {}).pop("resourceVersion", None)
+            elif media == APPLY_PATCH:
+                if not isinstance(payload, dict):
+                    raise PatchError("an apply configuration must be an object")
+                return self._apply(rt, namespace, name, existing, payload, subresource=subresource,
+                                   version=version, dry_run=dry_run, manager=field_manager or DEFAULT_APPLIER,
+                                   force=force)
+            elif media == STRATEGIC_PATCH:
                 new = strategic_merge_patch(existing, payload)
             else:
                 raise ApiError(415, "UnsupportedMediaType", f"the media type {media!r} is not supported")
@@ -295,6 +324,28 @@ class ObjectApi:
             new["metadata"] = {**new["metadata"]}
             new["metadata"].pop("resourceVersion")
         return 200, self.update(rt, namespace, name, new, subresource=subresource, version=version, dry_run=dry_run)
+
+    def _apply(self, rt: ResourceType, namespace: str | None, name: str, existing: Obj, config: Obj, *,
+               subresource: str | None, version: str | None, dry_run: bool, manager: str,
+               force: bool) -> tuple[int, Obj]:
+        """Server-side apply onto an existing object, with field ownership (dev/apply.py)."""
+        expected_rv = (config.get("metadata") or {}).get("resourceVersion")
+        try:
+            merged, owners = ssa.apply(existing, config, manager=manager, subresource=subresource,
+                                       has_status=rt.has_status, force=force)
+        except ssa.ApplyConflict as exc:
+            raise ApiError(409, "Conflict", str(exc), {"name": name, "group": rt.group, "kind": rt.plural}) from exc
+        if owners == ssa.managers(existing) and _without_managed(merged) == _without_managed(existing):
+            return 200, existing  # nothing to change: no write, as in Kubernetes
+        managed = ssa.managed_fields(owners, existing["apiVersion"], existing["metadata"].get("managedFields") or [],
+                                     (manager, subresource or ""))
+        merged["metadata"] = {**merged["metadata"]}
+        if expected_rv:
+            merged["metadata"]["resourceVersion"] = expected_rv
+        else:
+            merged["metadata"].pop("resourceVersion", None)
+        return 200, self.update(rt, namespace, name, merged, subresource=subresource, version=version,
+                                dry_run=dry_run, managed=managed)
 
     # --- delete ----------------------------------------------------------------------------------
 

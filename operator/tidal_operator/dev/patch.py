@@ -180,7 +180,7 @@ _MERGE_KEYS: dict[str, tuple[str, ...]] = {
 _SET_LISTS = {"finalizers"}
 
 
-def _merge_key_for(field: str, items: list[Any]) -> str | None:
+def merge_key_for(field: str, items: list[Any]) -> str | None:
     for candidate in _MERGE_KEYS.get(field, ()):
         if all(isinstance(item, dict) and candidate in item for item in items):
             return candidate
@@ -192,7 +192,7 @@ def _strategic_list(field: str, current: list[Any], patch: list[Any]) -> list[An
         merged = list(current)
         merged.extend(item for item in patch if item not in merged)
         return merged
-    key = _merge_key_for(field, [*current, *(p for p in patch if not _is_directive(p))])
+    key = merge_key_for(field, [*current, *(p for p in patch if not _is_directive(p))])
     if key is None:
         return [copy.deepcopy(item) for item in patch if not _is_directive(item)]
     merged = [copy.deepcopy(item) for item in current]

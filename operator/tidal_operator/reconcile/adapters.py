@@ -239,14 +239,6 @@ def adapters_status(
     return entries, cond
 
 
-def merge_condition(conditions: Sequence[Mapping[str, Any]] | None, condition: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """``status.conditions`` with ``condition`` replacing the one of its type (merge-patch
-    replaces the whole list, so the others must be carried over)."""
-    out = [dict(c) for c in conditions or [] if c.get("type") != condition["type"]]
-    out.append(dict(condition))
-    return out
-
-
 def pod_is_ready(pod: Mapping[str, Any]) -> bool:
     status = pod.get("status") or {}
     meta = pod.get("metadata") or {}

@@ -1,7 +1,8 @@
 """Pure: from what is observed (the LLMService, its Pods, validation problems) to `status`.
 
-The result holds only the fields this module owns; merge-patch it into `/status`, so the
-fields other controllers write (scalingHistory, lastScaleTime, adapters) are left alone.
+The result holds only the fields and conditions this module owns; the reconcile applies it to
+`/status` with its own field manager (server-side apply), so the fields and conditions other
+controllers write (scalingHistory, lastScaleTime, adapters, AdaptersReady) are left alone.
 A condition keeps its lastTransitionTime while its status doesn't change.
 """
 
@@ -168,7 +169,7 @@ def compute_status(
             cond("Ready", False, "InvalidSpec", "fix the spec: " + message),
             cond("Progressing", False, "InvalidSpec", "nothing is reconciled until the spec is valid"),
             cond("Degraded", False, "InvalidSpec", "no Pods are managed while the spec is invalid"),
-        ] + _foreign_conditions(previous_status)
+        ]
         return out
 
     want = desired if desired is not None else desired_replicas(parsed, previous_status)
@@ -246,11 +247,6 @@ def compute_status(
 
     out["phase"] = phase
     out["conditions"] = [cond("Validated", True, "Valid", "the spec is valid"),
-                         ready_cond, progressing_cond, degraded_cond] + _foreign_conditions(previous_status)
+                         ready_cond, progressing_cond, degraded_cond]
     return out
 
-
-def _foreign_conditions(previous_status: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """Conditions other controllers own (AdaptersReady): carried over as they are, because a
-    merge-patch of `conditions` replaces the whole list."""
-    return [dict(c) for c in previous_status.get("conditions") or [] if c.get("type") not in CONDITION_TYPES]
