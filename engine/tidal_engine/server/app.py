@@ -24,6 +24,7 @@ from tidal_engine.server.auth import APIKeyMiddleware
 from tidal_engine.server.errors import ENGINE_UNAVAILABLE, bad_request, error_response, install_error_handlers
 from tidal_engine.server.metrics import CONTENT_TYPE, ServerMetrics
 from tidal_engine.server.request_log import RequestLogger
+from tidal_engine.server.responses import ResponsesServing
 from tidal_engine.server.serving import OpenAIServing, ServingSettings, read_json_body
 
 logger = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
                         tool_call_parser=settings.tool_call_parser, reasoning_parser=settings.reasoning_parser,
                         chat_template=settings.chat_template, default_sampling=dict(settings.default_sampling)),
     )
+    responses_serving = ResponsesServing(serving)
     metrics = ServerMetrics(engine, names[0], engine.max_model_len)
     if settings.log_requests:
         engine.add_finished_listener(RequestLogger(log_prompts=settings.log_prompts))
@@ -120,6 +122,10 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await serving.create_chat_completion(await read_json_body(request, limit), request)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await responses_serving.create(await read_json_body(request, limit), request)
 
     @app.post("/invocations")
     async def invocations(request: Request) -> Response:

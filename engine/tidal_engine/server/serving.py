@@ -121,7 +121,8 @@ def parse_model(model_cls: type[ModelT], data: dict[str, Any]) -> ModelT:
     try:
         return model_cls.model_validate(data)
     except ValidationError as exc:
-        unknown = [".".join(str(p) for p in e["loc"]) for e in exc.errors() if e["type"] == "extra_forbidden"]
+        unknown = [".".join(str(p) for p in e["loc"] if "[" not in str(p))  # no pydantic union-branch names
+                   for e in exc.errors() if e["type"] == "extra_forbidden"]
         if unknown:  # name them all: a client sending one unknown field often sends several
             raise bad_request(
                 f"Unknown field(s): {', '.join(unknown)}. Tidal refuses fields it does not implement "
@@ -238,6 +239,14 @@ async def _merge(iterators: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, 
 
 
 # ---------------------------------------------------------------------- the service
+
+
+@dataclass
+class PreparedChat:
+    plan: ChatOutputPlan
+    params: SamplingParams
+    prompt_ids: list[int]
+    lora_name: str | None
 
 
 @dataclass
@@ -628,8 +637,8 @@ class OpenAIServing:
         except ValueError as exc:  # a schema xgrammar cannot use
             raise bad_request(f"tools: {exc}", "tools") from None
 
-    async def create_chat_completion(self, data: dict[str, Any], raw: Request) -> Response:
-        request = parse_model(ChatCompletionRequest, data)
+    async def prepare_chat(self, request: ChatCompletionRequest, max_tokens_param: str = "max_tokens") -> PreparedChat:
+        """Everything a chat request needs before it reaches the engine (every check a 400)."""
         lora_name = self.check_model(request.model)
         self.check_supported(request)
         plan, tool_constraint = self.chat_output_plan(request)
@@ -640,7 +649,7 @@ class OpenAIServing:
         # The template already placed BOS and the like; don't let the tokenizer add them twice.
         prompt_ids = self.truncate(await self.encode(text, add_special_tokens=False), request.truncate_prompt_tokens)
         self.check_prompt_length(len(prompt_ids), "messages")
-        self.check_max_tokens(len(prompt_ids), request.effective_max_tokens, "max_tokens")
+        self.check_max_tokens(len(prompt_ids), request.effective_max_tokens, max_tokens_param)
         top = request.top_logprobs or 0
         max_tokens = self.default_max_tokens(request.effective_max_tokens)
         logprobs = top if request.logprobs else None
@@ -648,6 +657,13 @@ class OpenAIServing:
             params = self.build_sampling_params(request, max_tokens, logprobs, tool_constraint)
         else:
             params = self.sampling_params(request, max_tokens, logprobs)
+        return PreparedChat(plan, params, prompt_ids, lora_name)
+
+    async def create_chat_completion(self, data: dict[str, Any], raw: Request) -> Response:
+        request = parse_model(ChatCompletionRequest, data)
+        prepared = await self.prepare_chat(request)
+        plan, params, prompt_ids, lora_name = prepared.plan, prepared.params, prepared.prompt_ids, prepared.lora_name
+        top = request.top_logprobs or 0
         echo = self._chat_echo(request)
         base_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
