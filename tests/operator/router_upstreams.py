@@ -41,6 +41,7 @@ class FakeEngine:
     stream_cancelled: asyncio.Event = field(default_factory=asyncio.Event)
     first_chunk_sent: asyncio.Event = field(default_factory=asyncio.Event)
     arrived: asyncio.Event = field(default_factory=asyncio.Event)  # set on every request; tests clear it
+    load: tuple[float, float, float] | None = None  # (running, waiting, KV usage) on /metrics; None: 404
     port: int = 0
 
     @property
@@ -60,6 +61,18 @@ class FakeEngine:
         @app.get("/health")
         async def health() -> dict[str, str]:
             return {"status": "ok"}
+
+        @app.get("/metrics")
+        async def metrics(request: Request) -> Any:
+            from fastapi.responses import PlainTextResponse
+
+            if self.api_key and request.headers.get("authorization") != f"Bearer {self.api_key}":
+                return JSONResponse({}, status_code=401)  # not recorded in auth_headers: only the API calls are
+            if self.load is None:
+                return JSONResponse({}, status_code=404)
+            running, waiting, kv = self.load
+            return PlainTextResponse(f"tidal:num_requests_running {running}\ntidal:num_requests_waiting {waiting}\n"
+                                     f"tidal:kv_cache_usage_perc {kv}\n")
 
         @app.get("/is_sleeping")
         async def is_sleeping(request: Request) -> Any:
@@ -163,7 +176,7 @@ class CrashingEngine:
             length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
                            if line.lower().startswith(b"content-length:")), 0)
             await reader.readexactly(length)
-            self.received += 1
+            self.received += head.startswith(b"POST ")  # not the router's GET /metrics
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 from tidal_operator.router.picker import (
-    LoadTracker, bounded_capacity, choose_replica, prompt_prefix, ring_order,
+    EngineLoad, LoadTracker, bounded_capacity, choose_replica, estimated_queue, prompt_prefix, ring_order,
 )
 from tidal_operator.router.registry import Replica
 
@@ -101,3 +101,34 @@ def test_prompt_prefix() -> None:
     assert prompt_prefix({"model": "m", "input": "embed me"}, 256) == "m\x00embed me"
     # Adapters don't share KV with their base model, so the model is part of the key.
     assert prompt_prefix({"model": "a", "prompt": "x"}, 256) != prompt_prefix({"model": "b", "prompt": "x"}, 256)
+
+
+def test_the_engines_own_queue_outweighs_this_routers_count() -> None:
+    a, b = _replicas("a", "b")
+    tracker = LoadTracker()
+    tracker.acquire(a)
+    tracker.acquire(b)
+    tracker.report(a.key, running=4, waiting=6, kv_cache_usage=0.5)  # busy with others' requests
+    tracker.report(b.key, running=1, waiting=0, kv_cache_usage=0.1)
+    assert {tracker.pick([a, b], strategy="leastLoad", prefix_key=None).pod_name for _ in range(4)} == {"b"}
+    # Requests sent since the report count on top of it; finished ones come off (not below ours).
+    tracker.acquire(b)
+    assert tracker.estimated_loads([a, b]) == {a.key: 10.0, b.key: 2.0}
+    assert estimated_queue(EngineLoad(0, 0, 0, local_at_report=3), local_now=1) == 1.0
+    assert estimated_queue(None, local_now=2) == 2.0
+
+
+def test_prefix_affinity_gives_way_when_the_affine_engine_is_saturated() -> None:
+    replicas = _replicas("a", "b", "c")
+    key = "shared system prompt"
+    by_name = {r.pod_name + ".default": r for r in replicas}
+    preferred = by_name[ring_order(list(by_name), key)[0]]
+    others = [r for r in replicas if r != preferred]
+    assert choose_replica(replicas, {}, strategy="prefixHash", prefix_key=key) == preferred
+    # Its engine queue (not this router's count) is over the bounded share: the ring moves on.
+    busy = {preferred.key: 9.0}
+    assert choose_replica(replicas, busy, strategy="prefixHash", prefix_key=key) in others
+    # A saturated KV cache also moves it, to the replica with the lower load and KV usage.
+    kv = {preferred.key: 0.99, others[0].key: 0.5, others[1].key: 0.0}
+    assert choose_replica(replicas, {}, strategy="prefixHash", prefix_key=key, kv_usage=kv) in others
+    assert choose_replica(replicas, {}, strategy="leastLoad", kv_usage=kv) == others[1]

@@ -141,6 +141,25 @@ async def test_prefix_hash_sticks_to_one_replica_with_bounded_load() -> None:
             assert all(r.status_code == 200 for r in await asyncio.gather(*tasks))
 
 
+async def test_engine_reported_load_steers_requests_away_from_a_busy_replica() -> None:
+    # Both replicas are idle as far as this router knows, but m-0's engine reports a long
+    # queue (another router's requests): every request goes to m-1 once its report is read.
+    async with serve_engines(FakeEngine("m-0", api_key="k", load=(8, 12, 0.6)),
+                             FakeEngine("m-1", api_key="k", load=(0, 0, 0.0))) as (e0, e1):
+        registry = _registry(llmservice("m", secret="m-key"), pod("m-0", "m", e0.port), pod("m-1", "m", e1.port))
+        registry.set_secret(SecretRef("default", "m-key"), "k")
+        async with run_router_for_test(registry, engine_load_interval_s=0.05) as router:
+            loads = router.app.state.proxy.loads
+            await wait_until(lambda: len(loads.engines) == 2)  # scraped with the engine key
+            replicas = Counter()
+            for _ in range(6):
+                r = await router.client.post("/v1/chat/completions", json=_chat("m"))
+                replicas[r.json()["replica"]] += 1
+            assert replicas == {"m-1": 6}
+            assert router.metric("tidal_router_replica_requests_total", model="m", namespace="default",
+                                 pod="m-1") == 6
+
+
 async def test_streaming_passes_chunks_through_as_they_come() -> None:
     gate = asyncio.Event()
     async with serve_engines(FakeEngine("m-0", stream_gate=gate)) as (e0,):

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from tidal_operator.router.engine_load import EngineLoadPoller
 from tidal_operator.router.metrics import RouterMetrics
 from tidal_operator.router.proxy import AUTHENTICATION, Proxy, RouterConfig, error_body, send_json
 from tidal_operator.router.registry import KubernetesWatcher, Registry
@@ -117,9 +118,16 @@ def create_app(registry: Registry, config: RouterConfig, http_client: httpx.Asyn
     if synced is not None:
         proxy.synced = synced
 
+    poller = EngineLoadPoller(registry, http, proxy.loads, interval_s=config.engine_load_interval_s)
+
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        polling = asyncio.create_task(poller.run()) if config.engine_load_interval_s > 0 else None
         yield
+        if polling is not None:
+            polling.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await polling
         await waker.close()
         if owns_client:
             await http.aclose()
@@ -167,6 +175,7 @@ def create_app(registry: Registry, config: RouterConfig, http_client: httpx.Asyn
                 out.append({"llmservice": r.llmservice, "namespace": r.namespace, "pod": r.pod_name, "url": r.url,
                             "ready": r.ready, "sleepState": r.sleep_state, "deleting": r.deleting,
                             "adapters": sorted(r.adapters), "outstanding": proxy.loads.outstanding.get(r.key, 0),
+                            "estimatedQueue": proxy.loads.estimated_loads([r])[r.key],
                             "coolingDown": r.key in proxy.loads.cooling()})
         return JSONResponse({"replicas": out})
 
@@ -281,6 +290,8 @@ def build_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.
     p.add_argument("--retries", type=int, default=RouterConfig.max_retries)
     p.add_argument("--cooldown", type=float, default=RouterConfig.cooldown_s)
     p.add_argument("--prefix-chars", type=int, default=RouterConfig.prefix_chars)
+    p.add_argument("--engine-load-interval", type=float, default=RouterConfig.engine_load_interval_s,
+                   help="seconds between reads of each engine's /metrics for its load (0: use only this router's counts)")
     p.add_argument("--shutdown-grace", type=int, default=RouterConfig.shutdown_grace_s,
                    help="seconds in-flight requests get to finish after SIGTERM (held ones get a 503 at once)")
     p.add_argument("--wake-lease", choices=["kubernetes", "none"], default="kubernetes")
@@ -295,7 +306,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     config = RouterConfig(api_keys=tuple(args.api_key) + tuple(env_keys),
                           allow_unauthenticated=args.allow_unauthenticated, hold_timeout_s=args.hold_timeout,
                           max_held_per_model=args.max_held, max_retries=args.retries, cooldown_s=args.cooldown,
-                          prefix_chars=args.prefix_chars, shutdown_grace_s=args.shutdown_grace)
+                          prefix_chars=args.prefix_chars, shutdown_grace_s=args.shutdown_grace,
+                          engine_load_interval_s=args.engine_load_interval)
     asyncio.run(run_router(kubeconfig=args.kubeconfig, in_cluster=args.in_cluster, host=args.host, port=args.port,
                            namespace=args.namespace, config=config, api_keys_secret=args.api_keys_secret,
                            wake_lease=args.wake_lease, log_level=args.log_level))

@@ -32,6 +32,9 @@ class RouterMetrics:
         self.wakeups = Counter("tidal_router_wakeups",
                                "wake_up attempts, by result (sent, lease_held_elsewhere, awake, failed).",
                                ["namespace", "llmservice", "result"], registry=r)
+        self.replica_requests = Counter("tidal_router_replica_requests",
+                                        "Requests sent to each replica (retries included).",
+                                        ["model", "namespace", "pod"], registry=r)
         self.outstanding = Gauge("tidal_router_outstanding_requests", "Requests in flight to each replica.",
                                  ["namespace", "pod"], registry=r)
 

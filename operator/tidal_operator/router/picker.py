@@ -1,8 +1,15 @@
-"""Choosing a replica: least outstanding requests, or consistent hashing with bounded load.
+"""Choosing a replica: least load, or consistent hashing with bounded load.
+
+A replica's load is its estimated queue: what its engine last reported on /metrics (running
+plus waiting requests, a few hundred milliseconds old) corrected by the requests this router
+sent or finished since, or just this router's own outstanding requests while no report is
+known. Least load also weighs KV-cache usage (a nearly full cache preempts). Prefix hashing
+keeps a prompt on its ring replica until that one holds more than its bounded share of the
+estimated queues, or its KV cache is saturated, then walks the ring.
 
 `choose_replica` is pure: it gets the candidates, their loads and the cooling set, and
 returns one. `LoadTracker` is the small bit of mutable state around it (outstanding
-requests, recent failures, the round-robin tie-breaker).
+requests, engine reports, recent failures, the round-robin tie-breaker).
 """
 
 from __future__ import annotations
@@ -19,6 +26,26 @@ from tidal_operator.router.registry import Key, Replica
 
 DEFAULT_VNODES = 64
 DEFAULT_EPSILON = 0.25
+KV_WEIGHT = 4.0  # a full KV cache costs like this many queued requests (least load)
+KV_SATURATED = 0.95  # prefix affinity gives way above this KV-cache usage
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """One engine's /metrics report, and this router's outstanding requests to it then."""
+
+    running: float
+    waiting: float
+    kv_cache_usage: float
+    local_at_report: int
+
+
+def estimated_queue(report: EngineLoad | None, local_now: int) -> float:
+    """The engine's queue now: its report plus what this router changed since (never less
+    than this router's own outstanding requests to it)."""
+    if report is None:
+        return float(local_now)
+    return max(float(local_now), report.running + report.waiting + local_now - report.local_at_report)
 
 
 def _hash64(text: str) -> int:
@@ -49,20 +76,23 @@ def ring_order(names: Sequence[str], key: str, vnodes: int = DEFAULT_VNODES) -> 
     return seen
 
 
-def bounded_capacity(total_load: int, replicas: int, epsilon: float) -> int:
+def bounded_capacity(total_load: float, replicas: int, epsilon: float) -> int:
     """The most outstanding requests one replica may hold after placing the next request
     (consistent hashing with bounded loads: ceil(average * (1 + epsilon)), average
     counting the request being placed)."""
     return max(1, math.ceil((total_load + 1) / replicas * (1 + epsilon)))
 
 
-def choose_replica(candidates: Sequence[Replica], loads: Mapping[Key, int], *, strategy: str = "leastLoad",
+def choose_replica(candidates: Sequence[Replica], loads: Mapping[Key, float], *, strategy: str = "leastLoad",
                    prefix_key: str | None = None, cooling: frozenset[Key] = frozenset(), tiebreak: int = 0,
-                   epsilon: float = DEFAULT_EPSILON, vnodes: int = DEFAULT_VNODES) -> Replica | None:
+                   epsilon: float = DEFAULT_EPSILON, vnodes: int = DEFAULT_VNODES,
+                   kv_usage: Mapping[Key, float] | None = None) -> Replica | None:
     """Pick one of `candidates` (already filtered to routable ones), or None if empty.
 
-    Replicas in `cooling` (failed recently) are used only if nothing else is left.
+    `loads`: each replica's estimated queue; `kv_usage`: its KV-cache usage (0 to 1) where
+    known. Replicas in `cooling` (failed recently) are used only if nothing else is left.
     """
+    kv = kv_usage or {}
     pool = [r for r in candidates if r.key not in cooling] or list(candidates)
     if not pool:
         return None
@@ -73,11 +103,15 @@ def choose_replica(candidates: Sequence[Replica], loads: Mapping[Key, int], *, s
         order = ring_order(list(by_name), prefix_key, vnodes)
         for name in order:
             replica = by_name[name]
-            if loads.get(replica.key, 0) + 1 <= cap:
+            if loads.get(replica.key, 0) + 1 <= cap and kv.get(replica.key, 0.0) < KV_SATURATED:
                 return replica
-        # Unreachable in theory (someone is always under the cap); least load as a fallback.
-    least = min(loads.get(r.key, 0) for r in pool)
-    tied = [r for r in pool if loads.get(r.key, 0) == least]
+        # Every replica is over its share or saturated: the least loaded one takes it.
+
+    def cost(r: Replica) -> float:
+        return loads.get(r.key, 0) + KV_WEIGHT * kv.get(r.key, 0.0)
+
+    least = min(cost(r) for r in pool)
+    tied = [r for r in pool if cost(r) == least]
     return tied[tiebreak % len(tied)]
 
 
@@ -120,7 +154,18 @@ class LoadTracker:
     cooldown_s: float = 10.0
     outstanding: dict[Key, int] = field(default_factory=dict)
     failed_at: dict[Key, float] = field(default_factory=dict)
+    engines: dict[Key, EngineLoad] = field(default_factory=dict)  # the latest /metrics reports
     _counter: int = 0
+
+    def report(self, key: Key, running: float, waiting: float, kv_cache_usage: float) -> None:
+        self.engines[key] = EngineLoad(running, waiting, kv_cache_usage, self.outstanding.get(key, 0))
+
+    def forget_reports(self, keep: frozenset[Key] = frozenset()) -> None:
+        for key in [k for k in self.engines if k not in keep]:
+            del self.engines[key]
+
+    def estimated_loads(self, replicas: Sequence[Replica]) -> dict[Key, float]:
+        return {r.key: estimated_queue(self.engines.get(r.key), self.outstanding.get(r.key, 0)) for r in replicas}
 
     def cooling(self, now: float | None = None) -> frozenset[Key]:
         now = time.monotonic() if now is None else now
@@ -150,5 +195,6 @@ class LoadTracker:
              exclude: frozenset[Key] = frozenset(), epsilon: float = DEFAULT_EPSILON) -> Replica | None:
         """Choose among `candidates` minus `exclude` (replicas this request already tried)."""
         remaining = [r for r in candidates if r.key not in exclude]
-        return choose_replica(remaining, self.outstanding, strategy=strategy, prefix_key=prefix_key,
-                              cooling=self.cooling(), tiebreak=self.next_tiebreak(), epsilon=epsilon)
+        kv = {r.key: self.engines[r.key].kv_cache_usage for r in remaining if r.key in self.engines}
+        return choose_replica(remaining, self.estimated_loads(remaining), strategy=strategy, prefix_key=prefix_key,
+                              cooling=self.cooling(), tiebreak=self.next_tiebreak(), epsilon=epsilon, kv_usage=kv)

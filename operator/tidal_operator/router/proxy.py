@@ -52,6 +52,7 @@ class RouterConfig:
     read_timeout_s: float | None = 600.0  # between bytes; a non-streamed answer comes whole
     retry_after_s: int = 5  # the Retry-After header on 503s
     protect_metrics: bool = True  # /metrics and /debug/* need a key too
+    engine_load_interval_s: float = 0.5  # how often each engine's /metrics is read for its load; 0: never
     shutdown_grace_s: int = 30  # on SIGTERM, time for in-flight requests to finish (held ones get a 503 at once)
 
 
@@ -363,6 +364,7 @@ class ProxyEndpoint:
         model = entry.model_name
         loads = proxy.loads
         loads.acquire(replica)
+        proxy.metrics.replica_requests.labels(model, replica.namespace, replica.pod_name).inc()
         gauge = proxy.metrics.outstanding.labels(replica.namespace, replica.pod_name)
         gauge.inc()
         try:
