@@ -11,7 +11,8 @@ batch 32; sentence-transformers 6 loads the checkpoint's own dtype: fp32 for Min
 Qwen3 folder) and, on the GPU, also with batch 128 and in fp32.
 Tidal runs its offline path (``PoolingEngine.encode_offline``: longest first, token-budget steps)
 and the server's path (``PoolingEngine.encode``: the queue and worker thread every HTTP request
-goes through). Each side first warms up on 512 texts; the reported time is the best of ``--repeats``.
+goes through). Each side first warms up on 512 texts; then ``--repeats`` rounds run every side once each
+(interleaved), and the reported time is each side's best.
 
   python benchmarks/embed_bench.py --workload minilm-cpu --out benchmarks/results/embed_cpu_minilm.json
   python benchmarks/embed_bench.py --workload qwen3-0.6b-gpu --out /tmp/embed_h200.json
@@ -179,16 +180,20 @@ def main() -> None:
     runs: dict[str, Runner] = {**tidal, **baselines}
     timings: dict[str, dict[str, float]] = {}
     vectors: dict[str, torch.Tensor] = {}
-    for name, run in runs.items():
+    seconds: dict[str, float] = {}
+    for run in runs.values():
         best_of(1, run, texts[:512])  # warm-up (kernel compiles, allocator growth)
-        seconds, vecs = best_of(repeats, run, texts)
-        vectors[name] = vecs
-        timings[name] = {"seconds": seconds, "texts_per_s": count / seconds}
-        if tokens_per_text:
-            timings[name]["tokens_per_s"] = count * tokens_per_text / seconds
-        results["timings"] = timings
-        print(name, timings[name], flush=True)
-        save()
+    # Rounds interleave the runners, so a load change on a shared machine hits all of them alike.
+    for _ in range(repeats):
+        for name, run in runs.items():
+            took, vectors[name] = best_of(1, run, texts)
+            seconds[name] = min(took, seconds.get(name, float("inf")))
+            timings[name] = {"seconds": seconds[name], "texts_per_s": count / seconds[name]}
+            if tokens_per_text:
+                timings[name]["tokens_per_s"] = count * tokens_per_text / seconds[name]
+            results["timings"] = timings
+            print(name, round(took, 3), flush=True)
+            save()
     reference = vectors["st_default_b32"]
     results["min_cosine_vs_st_default"] = {
         name: float(torch.nn.functional.cosine_similarity(v, reference).min()) for name, v in vectors.items()
