@@ -195,6 +195,29 @@ class Kube:
         await self.request("PATCH", f"/api/v1/namespaces/{namespace}/services/{name}", body=dict(patch),
                            content_type=MERGE_PATCH)
 
+    # --- PodDisruptionBudgets ------------------------------------------------------------------
+
+    async def get_pdb(self, namespace: str, name: str) -> Obj | None:
+        try:
+            return await self.request("GET", f"/apis/policy/v1/namespaces/{namespace}/poddisruptionbudgets/{name}")
+        except ApiError as exc:
+            if exc.not_found:
+                return None
+            raise
+
+    async def create_pdb(self, namespace: str, body: Mapping[str, Any]) -> bool:
+        try:
+            await self.request("POST", f"/apis/policy/v1/namespaces/{namespace}/poddisruptionbudgets", body=dict(body))
+            return True
+        except ApiError as exc:
+            if exc.already_exists:
+                return False
+            raise
+
+    async def patch_pdb(self, namespace: str, name: str, patch: Mapping[str, Any]) -> None:
+        await self.request("PATCH", f"/apis/policy/v1/namespaces/{namespace}/poddisruptionbudgets/{name}",
+                           body=dict(patch), content_type=MERGE_PATCH)
+
     # --- Secrets: existence only ---------------------------------------------------------------
 
     async def secret_exists(self, namespace: str, name: str) -> bool:

@@ -482,7 +482,9 @@ def test_operator_calls_found_in_code() -> None:
         ("tidal.dev", "llmservices", "get"), ("tidal.dev", "llmservices", "list"),
         ("tidal.dev", "llmservices/status", "patch"),
         ("", "pods", "get"), ("", "pods", "list"), ("", "pods", "create"), ("", "pods", "delete"),
-        ("", "pods", "patch"), ("", "services", "get"), ("", "services", "create"), ("", "services", "patch"),
+        ("", "pods", "patch"), ("", "services", "get"),
+        ("policy", "poddisruptionbudgets", "get"), ("policy", "poddisruptionbudgets", "create"),
+        ("policy", "poddisruptionbudgets", "patch"), ("", "services", "create"), ("", "services", "patch"),
         ("", "secrets", "get"), ("", "events", "create"),
         ("kopf.dev", "kopfpeerings", "get"), ("kopf.dev", "clusterkopfpeerings", "get"),
     }

@@ -98,7 +98,7 @@ async def test_http_pod_becomes_ready_and_is_killed_on_delete(cluster: Cluster, 
     marker = tmp_path / "prestop-ran"
     pod = {"metadata": {"name": "web"}, "spec": {"terminationGracePeriodSeconds": 5, "containers": [{
         "name": "http", "image": "ignored",
-        "command": [sys.executable, "-m", "http.server"], "args": [str(port), "--bind", "$(POD_IP)"],
+        "command": [sys.executable, "-m", "http.server"], "args": [str(port), "--bind", "0.0.0.0"],
         "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
         "ports": [{"name": "http", "containerPort": port}],
         "readinessProbe": {"httpGet": {"path": "/", "port": "http"}, "periodSeconds": 1},
@@ -116,6 +116,11 @@ async def test_http_pod_becomes_ready_and_is_killed_on_delete(cluster: Cluster, 
     async with aiohttp.ClientSession() as session:
         async with session.get(f"http://{status['podIP']}:{port}/") as response:
             assert response.status == 200
+        # 0.0.0.0 in a Pod means its own addresses: locally, its loopback address only, so
+        # engines on the same port don't collide on the host.
+        with pytest.raises(aiohttp.ClientConnectionError):
+            async with session.get(f"http://127.0.0.1:{port}/"):
+                pass
     assert "GET / HTTP" in await cluster.pod_log("web")
 
     pid = cluster.kubelet.find("default", "web").pids()["http"]  # type: ignore[union-attr]

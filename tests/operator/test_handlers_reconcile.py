@@ -240,6 +240,20 @@ async def test_a_users_service_of_that_name_is_never_patched_and_is_reported(kub
     assert warning["type"] == "Warning" and "Service m exists" in warning["message"]
 
 
+async def test_a_disruption_budget_is_owned_kept_in_line_and_garbage_collected(kube: Kube) -> None:
+    await create(kube, body(replicas=2))
+    await run(kube)
+    pdb = await kube.get_pdb(NS, "m")
+    assert pdb is not None and pdb["spec"]["maxUnavailable"] == 1
+    assert pdb["spec"]["selector"]["matchLabels"] == L.selector_labels("m")
+    await kube.request("PATCH", f"/apis/{L.GROUP}/{L.VERSION}/namespaces/{NS}/{L.PLURAL}/m",
+                       content_type="application/merge-patch+json", body={"spec": {"disruption": {"maxUnavailable": 0}}})
+    await run(kube)
+    assert (await kube.get_pdb(NS, "m"))["spec"]["maxUnavailable"] == 0  # type: ignore[index]
+    await kube.request("DELETE", f"/apis/{L.GROUP}/{L.VERSION}/namespaces/{NS}/{L.PLURAL}/m")
+    assert await kube.get_pdb(NS, "m") is None  # the garbage collector follows the ownerReference
+
+
 async def test_label_drift_is_restored_and_container_drift_replaced(kube: Kube) -> None:
     await create(kube, body())
     await run(kube)

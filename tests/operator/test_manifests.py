@@ -15,7 +15,7 @@ import pytest
 from tidal_operator import labels as L
 from tidal_operator.api import OperatorConfig
 from tidal_operator.reconcile.manifests import (
-    engine_args, metadata_drift, pod_manifest, pod_name, service_manifest, spec_hash,
+    disruption_budget_manifest, engine_args, metadata_drift, pod_manifest, pod_name, service_manifest, spec_hash,
 )
 
 K8S_VERSIONS = ("1.33", "1.37")
@@ -54,6 +54,16 @@ SPECS: dict[str, dict[str, Any]] = {
                         "priorityClassName": "high", "serviceAccountName": "engine"}},
     "pipeline": {"model": {"uri": "hf://meta-llama/Llama-3.1-70B"}, "engine": {"resources": {"gpu": 8}},
                  "parallelism": {"tensor": 4, "pipeline": 2}, "quantization": {"weights": "awq"}},
+    "platform": {"model": {"uri": "pvc://models/qwen3"},
+                 "engine": {"resources": {"gpu": 1, "gpuResourceName": "amd.com/gpu"}},
+                 "disruption": {"maxUnavailable": 0},
+                 "podTemplate": {"imagePullSecrets": [{"name": "registry"}],
+                                 "volumes": [{"name": "certs", "secret": {"secretName": "ca"}}],
+                                 "volumeMounts": [{"name": "certs", "mountPath": "/etc/ssl/custom", "readOnly": True}],
+                                 "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone",
+                                                                "whenUnsatisfiable": "ScheduleAnyway",
+                                                                "labelSelector": {"matchLabels": {"tidal.dev/llmservice": "qwen"}}}],
+                                 "runtimeClassName": "nvidia", "schedulerName": "volcano"}},
 }
 
 
@@ -68,6 +78,7 @@ def test_every_generated_object_validates(case: str, version: str) -> None:
     for index in (0, 3):
         kubernetes_validate.validate(pod_manifest(body, index, CONFIG), version, strict=True)
     kubernetes_validate.validate(service_manifest(body, CONFIG), version, strict=True)
+    kubernetes_validate.validate(disruption_budget_manifest(body, CONFIG), version, strict=True)
 
 
 def test_strict_validation_really_is_strict() -> None:
@@ -84,7 +95,8 @@ def flag(argv: list[str], name: str) -> str:
 def test_args_bundled_cpu() -> None:
     argv = engine_args(SPECS["bundled-cpu"], "smollm2")
     assert argv[:3] == ["tidal-engine", "serve", "smollm2-135m"]
-    assert flag(argv, "--host") == "$(POD_IP)" and flag(argv, "--port") == "8000"
+    # Every address in the Pod (port-forward, meshes); the Pod IP is still what is advertised.
+    assert flag(argv, "--host") == "0.0.0.0" and flag(argv, "--port") == "8000"
     assert flag(argv, "--served-model-name") == "smollm2" and flag(argv, "--max-model-len") == "2048"
     assert flag(argv, "--tensor-parallel-size") == "1" and flag(argv, "--pipeline-parallel-size") == "1"
     assert flag(argv, "--dtype") == "auto" and flag(argv, "--kv-cache-memory-bytes") == str(256 * 2**20)
@@ -192,6 +204,24 @@ def test_user_env_overrides_by_name() -> None:
     spec["engine"]["env"] = [{"name": "HF_HUB_CACHE", "value": "/elsewhere"}]
     env = container(pod_manifest(llm(spec), 0, CONFIG))["env"]
     assert [e for e in env if e["name"] == "HF_HUB_CACHE"] == [{"name": "HF_HUB_CACHE", "value": "/elsewhere"}]
+
+
+def test_platform_pass_through_and_hygiene() -> None:
+    pod = pod_manifest(llm(SPECS["platform"]), 0, CONFIG)
+    spec, c = pod["spec"], container(pod)
+    assert spec["imagePullSecrets"] == [{"name": "registry"}]
+    assert {"name": "certs", "secret": {"secretName": "ca"}} in spec["volumes"]
+    assert {"name": "certs", "mountPath": "/etc/ssl/custom", "readOnly": True} in c["volumeMounts"]
+    assert spec["topologySpreadConstraints"][0]["topologyKey"] == "topology.kubernetes.io/zone"
+    assert (spec["runtimeClassName"], spec["schedulerName"]) == ("nvidia", "volcano")
+    assert c["resources"]["limits"]["amd.com/gpu"] == "1" and "nvidia.com/gpu" not in c["resources"]["limits"]
+    # emptyDir volumes must not block the cluster autoscaler's scale-down; no API token.
+    assert pod["metadata"]["annotations"]["cluster-autoscaler.kubernetes.io/safe-to-evict"] == "true"
+    assert spec["automountServiceAccountToken"] is False
+    pdb = disruption_budget_manifest(llm(SPECS["platform"]), CONFIG)
+    assert pdb["spec"] == {"maxUnavailable": 0, "selector": {"matchLabels": L.selector_labels("qwen")}}
+    assert pdb["metadata"]["ownerReferences"][0]["controller"] is True
+    assert disruption_budget_manifest(llm(SPECS["file"]), CONFIG)["spec"]["maxUnavailable"] == 1
 
 
 def test_service() -> None:

@@ -167,6 +167,15 @@ def test_reserved_pod_template_labels() -> None:
     assert p.reason == "ReservedKey"
 
 
+def test_pod_template_volumes_and_gpu_resource_name() -> None:
+    assert only({**BASE, "podTemplate": {"volumes": [{"name": "dshm", "emptyDir": {}}]}}).reason == "ReservedVolumeName"
+    assert only({**BASE, "podTemplate": {"volumeMounts": [{"name": "x", "mountPath": "/x"}]}}).reason == "UnknownVolume"
+    assert only({**BASE, "engine": {"resources": {"gpuResourceName": "gpu"}}}).reason == "InvalidResourceName"
+    assert problems({**BASE, "engine": {"resources": {"gpuResourceName": "amd.com/gpu"}},
+                     "podTemplate": {"volumes": [{"name": "x", "emptyDir": {}}],
+                                     "volumeMounts": [{"name": "x", "mountPath": "/x"}]}}) == []
+
+
 def test_sleep_policy_order() -> None:
     assert only({**BASE, "sleep": {"afterIdleSeconds": 300, "deepAfterSeconds": 100}}).field == "spec.sleep.deepAfterSeconds"
 

@@ -145,6 +145,10 @@ Its own calls are the Kube class (operator/tidal_operator/kube.py); kopf adds wa
 - apiGroups: [""]
   resources: ["services"]
   verbs: ["get", "create", "patch"]
+# One PodDisruptionBudget per LLMService (deleted by garbage collection, not by the operator).
+- apiGroups: ["policy"]
+  resources: ["poddisruptionbudgets"]
+  verbs: ["get", "create", "patch"]
 # Read-only: that referenced Secrets exist, and the engine key the autoscaler scrapes /metrics with.
 - apiGroups: [""]
   resources: ["secrets"]

@@ -35,6 +35,7 @@ DEFAULT_HF_TOKEN_KEY = "token"
 DEFAULT_API_KEY_KEY = "api-key"
 DEFAULT_REPLICAS = 1  # when neither spec.replicas nor spec.autoscaling is given
 DEFAULT_PROGRESS_DEADLINE_SECONDS = 600
+DEFAULT_GPU_RESOURCE = "nvidia.com/gpu"
 
 
 class _Model(BaseModel):
@@ -69,6 +70,8 @@ class EngineResources(_Model):
     memory: Quantity = DEFAULT_MEMORY
     # Asking for GPUs: absent or 0 runs on CPU; otherwise it must equal tensor x pipeline.
     gpu: int | None = Field(default=None, ge=0)
+    # The extended resource the GPUs are requested as (amd.com/gpu, a MIG profile, ...).
+    gpu_resource_name: str = Field(default=DEFAULT_GPU_RESOURCE, min_length=3)
 
 
 class EnvVar(_Model):
@@ -166,6 +169,10 @@ class Toleration(_Model):
     toleration_seconds: int | None = None
 
 
+class LocalObjectReference(_Model):
+    name: str = Field(min_length=1)
+
+
 class PodTemplateSpec(_Model):
     labels: dict[str, str] = Field(default_factory=dict)
     annotations: dict[str, str] = Field(default_factory=dict)
@@ -174,6 +181,19 @@ class PodTemplateSpec(_Model):
     affinity: dict[str, Any] | None = None
     priority_class_name: str | None = None
     service_account_name: str | None = None
+    # Passed through to the Pod as Kubernetes defines them (the API server validates them).
+    image_pull_secrets: list[LocalObjectReference] = Field(default_factory=list)
+    volumes: list[dict[str, Any]] = Field(default_factory=list)
+    volume_mounts: list[dict[str, Any]] = Field(default_factory=list)  # on the engine container
+    topology_spread_constraints: list[dict[str, Any]] = Field(default_factory=list)
+    runtime_class_name: str | None = None
+    scheduler_name: str | None = None
+
+
+class DisruptionSpec(_Model):
+    """The PodDisruptionBudget the operator keeps for the engine Pods (drains, node upgrades)."""
+
+    max_unavailable: int = Field(default=1, ge=0)
 
 
 class LLMServiceSpec(_Model):
@@ -188,6 +208,7 @@ class LLMServiceSpec(_Model):
     sleep: SleepSpec | None = None  # absent: never sleeps (no --enable-sleep-mode)
     routing: RoutingSpec = Field(default_factory=RoutingSpec)
     rollout: RolloutSpec = Field(default_factory=RolloutSpec)
+    disruption: DisruptionSpec = Field(default_factory=DisruptionSpec)
     auth: AuthSpec | None = None
     pod_template: PodTemplateSpec = Field(default_factory=PodTemplateSpec)
 

@@ -262,8 +262,35 @@ def check_adapter_uri(uri: str, field: str, config: OperatorConfig) -> Validatio
     return None
 
 
+# A qualified extended-resource name: <DNS subdomain>/<name>.
+EXTENDED_RESOURCE = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+# Names of the volumes the operator adds to the Pod (reconcile/manifests.py).
+RESERVED_VOLUMES = frozenset({"model", "model-cache", "adapters", "dshm"})
+
+
 def _check_pod_template(spec: LLMServiceSpec) -> list[ValidationProblem]:
     out = []
+    gpu_name = spec.engine.resources.gpu_resource_name
+    if not EXTENDED_RESOURCE.match(gpu_name) or gpu_name.startswith("kubernetes.io/"):
+        out.append(ValidationProblem("spec.engine.resources.gpuResourceName",
+                                     f"{gpu_name!r} is not an extended resource name (for example nvidia.com/gpu, "
+                                     "amd.com/gpu)", "InvalidResourceName"))
+    pt = spec.pod_template
+    names = [v.get("name") for v in pt.volumes]
+    for name in names:
+        if not isinstance(name, str) or not name:
+            out.append(ValidationProblem("spec.podTemplate.volumes", "every volume needs a name", "InvalidVolume"))
+        elif name in RESERVED_VOLUMES:
+            out.append(ValidationProblem("spec.podTemplate.volumes", f"{name!r} is the name of a volume the operator "
+                                         "adds; choose another", "ReservedVolumeName"))
+    for mount in pt.volume_mounts:
+        if mount.get("name") not in names:
+            out.append(ValidationProblem("spec.podTemplate.volumeMounts",
+                                         f"mounts {mount.get('name')!r}, which is not in spec.podTemplate.volumes",
+                                         "UnknownVolume"))
+        if not isinstance(mount.get("mountPath"), str) or not mount["mountPath"].startswith("/"):
+            out.append(ValidationProblem("spec.podTemplate.volumeMounts",
+                                         f"{mount.get('name')!r}: mountPath must be an absolute path", "InvalidVolume"))
     for kind, mapping in (("labels", spec.pod_template.labels), ("annotations", spec.pod_template.annotations)):
         for key in sorted(mapping):
             if labels.is_reserved_key(key):

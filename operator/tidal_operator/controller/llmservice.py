@@ -17,8 +17,8 @@ from typing import Any, Awaitable, Callable, Mapping
 from ..api.types import LLMServiceSpec, OperatorConfig
 from ..api.validation import ValidationProblem, parse_spec, validate_spec
 from ..kube import MANAGER_RECONCILER, ApiError, Kube
-from ..reconcile.manifests import (CONTAINER_NAME, metadata_drift, owner_reference, pod_manifest, service_manifest,
-                                   spec_hash)
+from ..reconcile.manifests import (CONTAINER_NAME, disruption_budget_manifest, metadata_drift, owner_reference,
+                                   pod_manifest, service_manifest, spec_hash)
 from ..reconcile.pods import PodView, plan_pods
 from ..reconcile.status import CONDITION_TYPES, compute_status, desired_replicas
 from ..secret_refs import referenced_secrets
@@ -116,6 +116,9 @@ async def reconcile(kube: Kube, config: OperatorConfig, namespace: str, name: st
 
     # 2. The headless Service (read on every pass, so a Service someone else owns stays reported).
     service_conflict = await ensure_service_for(kube, config, llm, repair=ensure_service)
+
+    # 2b. The PodDisruptionBudget (garbage-collected with the LLMService, like the Service).
+    await ensure_disruption_budget(kube, config, llm)
 
     # 3. Drift: restore operator-owned labels/annotations; a hand-edited container is replaced.
     hash_ = spec_hash(spec, config)
@@ -223,6 +226,24 @@ async def write_invalid_status(kube: Kube, config: OperatorConfig, llm: Obj, pod
     before, after = condition(old_status, "Validated"), condition(status, "Validated")
     if before.get("status") != "False" or before.get("message") != after.get("message"):
         await kube.post_event(llm, type_="Warning", reason="InvalidSpec", message=str(after.get("message")))
+
+
+async def ensure_disruption_budget(kube: Kube, config: OperatorConfig, llm: Obj) -> None:
+    """Create the PodDisruptionBudget, or put its maxUnavailable and selector back. One of that
+    name this LLMService doesn't control is left alone."""
+    desired = disruption_budget_manifest(llm, config)
+    namespace, name = desired["metadata"]["namespace"], desired["metadata"]["name"]
+    current = await kube.get_pdb(namespace, name)
+    if current is None:
+        if await kube.create_pdb(namespace, desired):
+            await kube.post_event(llm, type_="Normal", reason="CreatedPodDisruptionBudget",
+                                  message=f"created poddisruptionbudget {name}")
+        return
+    if not owned_by(current, llm["metadata"]["uid"]):
+        return
+    have, want = current.get("spec") or {}, desired["spec"]
+    if have.get("maxUnavailable") != want["maxUnavailable"] or have.get("selector") != want["selector"]:
+        await kube.patch_pdb(namespace, name, {"spec": want})
 
 
 async def ensure_service_for(kube: Kube, config: OperatorConfig, llm: Obj, *, repair: bool = True) -> str | None:

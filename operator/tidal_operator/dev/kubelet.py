@@ -50,6 +50,13 @@ def _allocate_ip(first: int) -> tuple[int, str]:
 _VAR_REF = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.\-]*)\)")
 
 
+def pod_network_address(arg: str, pod_ip: str) -> str:
+    """Local processes share the host's network, so each Pod gets its own loopback address
+    instead of a network namespace. "Every address in the Pod" (0.0.0.0) is that address:
+    binding the host's 0.0.0.0 would make every engine of the same port collide."""
+    return pod_ip if arg == "0.0.0.0" else arg
+
+
 def expand_refs(text: str, variables: Mapping[str, str]) -> str:
     """Kubernetes' `$(VAR)` expansion: known names are replaced, unknown ones kept, `$$` escapes."""
     def replace(match: re.Match[str]) -> str:
@@ -300,7 +307,7 @@ class PodRuntime:
             try:
                 for container in self.containers:
                     env, variables = await self.kubelet.container_env(self.pod, container.spec, self.ip)
-                    argv = [expand_refs(str(a), variables)
+                    argv = [pod_network_address(expand_refs(str(a), variables), self.ip)
                             for a in [*(container.spec.get("command") or []), *(container.spec.get("args") or [])]]
                     if not argv:
                         raise ConfigError(f"container {container.name} has no command: images are not run locally")

@@ -28,6 +28,10 @@ HF_TOKEN_ENV = "HF_TOKEN"
 # cluster (probes and Services reach the Pod IP) and under `tidal dev`, where every local
 # Pod is a process on its own 127.0.0.N and binding 0.0.0.0 would collide on the port.
 POD_IP_ENV = "POD_IP"
+BIND_ALL = "0.0.0.0"
+# emptyDir volumes (model cache, adapters) otherwise stop the cluster autoscaler from
+# draining the node: the model is downloaded again, nothing is lost.
+SAFE_TO_EVICT = "cluster-autoscaler.kubernetes.io/safe-to-evict"
 STARTUP_PERIOD_SECONDS = 10
 POD_NAME_MAX = 63  # Pod names double as hostnames under the headless Service: a DNS label.
 
@@ -105,7 +109,9 @@ def engine_args(spec: LLMServiceSpec | Mapping[str, Any], name: str, config: Ope
     src = model_source(s)
     e = s.engine
     argv = ["tidal-engine", "serve", src.model_arg, *src.extra_args,
-            "--host", f"$({POD_IP_ENV})", "--port", str(e.port),
+            # Every address in the Pod: `kubectl port-forward` and sidecars (service meshes)
+            # connect through localhost. The Pod IP stays what status and the router advertise.
+            "--host", BIND_ALL, "--port", str(e.port),
             "--served-model-name", s.served_name(name)]
     if s.model.max_model_len is not None:
         argv += ["--max-model-len", str(s.model.max_model_len)]
@@ -228,8 +234,8 @@ def _resources(spec: LLMServiceSpec) -> dict[str, Any]:
     # not take the node's memory. No CPU limit: throttling only adds latency.
     limits: dict[str, Any] = {"memory": str(r.memory)}
     if spec.gpu_count:
-        limits["nvidia.com/gpu"] = str(spec.gpu_count)
-        requests["nvidia.com/gpu"] = str(spec.gpu_count)
+        limits[r.gpu_resource_name] = str(spec.gpu_count)
+        requests[r.gpu_resource_name] = str(spec.gpu_count)
     return {"requests": requests, "limits": limits}
 
 
@@ -282,7 +288,7 @@ def pod_manifest(llm: Mapping[str, Any], index: int, config: OperatorConfig) -> 
         "lifecycle": {"preStop": {"sleep": {"seconds": config.pre_stop_sleep_seconds}}},
         "securityContext": {"allowPrivilegeEscalation": False, "runAsNonRoot": True,
                             "capabilities": {"drop": ["ALL"]}},
-        "volumeMounts": mounts,
+        "volumeMounts": mounts + [dict(m) for m in spec.pod_template.volume_mounts],
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
     pt = spec.pod_template
@@ -294,9 +300,11 @@ def pod_manifest(llm: Mapping[str, Any], index: int, config: OperatorConfig) -> 
         "hostname": pod_name(name, hash_, index),
         "subdomain": service_name(name),
         "enableServiceLinks": False,
+        # The engine never calls the Kubernetes API: no token in the Pod.
+        "automountServiceAccountToken": False,
         "securityContext": {"runAsNonRoot": True, "runAsUser": config.run_as_user, "runAsGroup": config.run_as_user,
                             "fsGroup": config.run_as_user, "seccompProfile": {"type": "RuntimeDefault"}},
-        "volumes": volumes,
+        "volumes": volumes + [dict(v) for v in pt.volumes],
     }
     if pt.node_selector:
         pod_spec["nodeSelector"] = dict(pt.node_selector)
@@ -308,8 +316,16 @@ def pod_manifest(llm: Mapping[str, Any], index: int, config: OperatorConfig) -> 
         pod_spec["priorityClassName"] = pt.priority_class_name
     if pt.service_account_name:
         pod_spec["serviceAccountName"] = pt.service_account_name
+    if pt.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": ref.name} for ref in pt.image_pull_secrets]
+    if pt.topology_spread_constraints:
+        pod_spec["topologySpreadConstraints"] = [dict(c) for c in pt.topology_spread_constraints]
+    if pt.runtime_class_name:
+        pod_spec["runtimeClassName"] = pt.runtime_class_name
+    if pt.scheduler_name:
+        pod_spec["schedulerName"] = pt.scheduler_name
 
-    annotations = dict(pt.annotations)
+    annotations = {SAFE_TO_EVICT: "true", **pt.annotations}
     annotations[L.SPEC_HASH] = hash_
     return {
         "apiVersion": "v1",
@@ -322,6 +338,26 @@ def pod_manifest(llm: Mapping[str, Any], index: int, config: OperatorConfig) -> 
             "ownerReferences": [owner_reference(llm)],
         },
         "spec": pod_spec,
+    }
+
+
+def disruption_budget_manifest(llm: Mapping[str, Any], config: OperatorConfig | None = None) -> dict[str, Any]:
+    """The PodDisruptionBudget over the engine Pods (spec.disruption.maxUnavailable)."""
+    meta = llm["metadata"]
+    name = meta["name"]
+    namespace = meta.get("namespace") or (config.namespace if config else None) or "default"
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "labels": {L.APP_NAME: L.APP_NAME_VALUE, L.APP_INSTANCE: name, L.MANAGED_BY: L.MANAGED_BY_VALUE,
+                       L.LLMSERVICE: name},
+            "ownerReferences": [owner_reference(llm)],
+        },
+        "spec": {"maxUnavailable": _spec(llm["spec"]).disruption.max_unavailable,
+                 "selector": {"matchLabels": L.selector_labels(name)}},
     }
 
 
