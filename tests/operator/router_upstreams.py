@@ -127,6 +127,11 @@ class FakeEngine:
         async def embeddings(request: Request) -> Any:
             return await completion(request, "list")
 
+        for path in ("/pooling", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank"):
+            async def pooling(request: Request, path: str = path) -> Any:
+                return await completion(request, path)
+
+            app.add_api_route(path, pooling, methods=["POST"])
         return app
 
     async def _stream(self, body: dict[str, Any]) -> AsyncIterator[bytes]:

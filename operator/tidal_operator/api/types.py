@@ -18,6 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+# generate: chat/completions; embed: /v1/embeddings; score: /score and /rerank (a cross-encoder).
+ModelTask = Literal["generate", "embed", "score"]
 WeightQuantization = Literal["none", "fp8", "awq", "gptq"]
 KvCacheDtype = Literal["auto", "fp8"]
 PullPolicy = Literal["Always", "IfNotPresent", "Never"]
@@ -62,6 +64,7 @@ class ModelSpec(_Model):
     served_name: str | None = None  # default: metadata.name
     max_model_len: int | None = Field(default=None, ge=1)
     dtype: Dtype = "auto"
+    task: ModelTask = "generate"
     hf_token_secret_ref: HfTokenSecretRef | None = None
 
 

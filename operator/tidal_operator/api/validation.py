@@ -23,7 +23,7 @@ from .types import LLMServiceSpec, OperatorConfig
 SecretLookup = Callable[[str], bool]
 
 # The models `bundled://` may name: those shipped as Python packages with the engine.
-BUNDLED_MODELS: frozenset[str] = frozenset({"smollm2-135m"})
+BUNDLED_MODELS: frozenset[str] = frozenset({"smollm2-135m", "all-minilm-l6-v2"})
 URI_SCHEMES: tuple[str, ...] = ("hf://", "pvc://", "file://", "bundled://")
 
 # hf://org/name[@revision]. Hub ids: letters, digits, '-', '_', '.'.
@@ -108,6 +108,9 @@ def validate_spec(
 def _check_model(spec: LLMServiceSpec, name: str) -> list[ValidationProblem]:
     uri = spec.model.uri
     out = [p for p in [check_model_uri(uri, "spec.model.uri")] if p]
+    if spec.model.task != "generate" and spec.lora is not None:
+        out.append(ValidationProblem("spec.lora", f"LoRA adapters need model.task generate, not {spec.model.task!r}",
+                                     "LoRAOnPoolingModel"))
     served = spec.served_name(name)
     if not SERVED_NAME.match(served):
         out.append(ValidationProblem(

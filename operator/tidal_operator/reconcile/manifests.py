@@ -118,6 +118,8 @@ def engine_args(spec: LLMServiceSpec | Mapping[str, Any], name: str, config: Ope
     argv += ["--tensor-parallel-size", str(s.parallelism.tensor),
              "--pipeline-parallel-size", str(s.parallelism.pipeline),
              "--dtype", s.model.dtype]
+    if s.model.task != "generate":  # a pooling model: embeddings, or cross-encoder scores
+        argv += ["--runner", "pooling", "--convert", "embed" if s.model.task == "embed" else "classify"]
     if e.max_num_seqs is not None:
         argv += ["--max-num-seqs", str(e.max_num_seqs)]
     if e.max_num_batched_tokens is not None:

@@ -28,7 +28,9 @@ from tidal_operator.router.waker import DemandBook, WakeLease, Waker
 log = logging.getLogger("tidal.router")
 
 API_KEY_ENV = "TIDAL_ROUTER_API_KEY"
-OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+# Routed by the body's `model`; the pooling paths reach LLMServices with task embed or score.
+OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/pooling", "/score", "/v1/score",
+                "/rerank", "/v1/rerank", "/v2/rerank")
 OPEN_PATHS = frozenset({"/health", "/ready"})  # probes come without credentials
 
 
