@@ -31,6 +31,12 @@ MANAGED_BY_VALUE: Final = "tidal-operator"
 SPEC_HASH: Final = "tidal.dev/spec-hash"
 ADAPTERS: Final = "tidal.dev/adapters"
 
+# Held demand: each router replica keeps a coordination.k8s.io Lease labelled ROUTER_DEMAND in
+# its own namespace, whose HELD_DEMAND annotation lists what it holds per LLMService (JSON:
+# [{"namespace", "llmservice", "held"}]); the autoscaler sums the unexpired ones.
+ROUTER_DEMAND: Final = "tidal.dev/router-demand"
+HELD_DEMAND: Final = "tidal.dev/held-demand"
+
 # Values of tidal.dev/sleep-state. The idle controller moves a Pod awake -> asleep-1 ->
 # asleep-2; the router reads it to know it must wake a replica before sending to it.
 SleepState = Literal["awake", "asleep-1", "asleep-2"]

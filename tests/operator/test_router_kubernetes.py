@@ -153,3 +153,59 @@ async def test_bookmark_events_do_not_break_the_watch(api_client: Any) -> None:
     await watcher._apply("llmservices", {"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": "7"}}})
     await watcher._apply("pods", {"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": "7"}}})
     assert registry.lookup("anything") == before is None
+
+
+async def test_the_autoscaler_sees_what_every_router_replica_holds(api_client: Any) -> None:
+    # Defect: the operator asked one router URL (the Service: one replica per tick) and missed
+    # what the others held. Now each router replica keeps a Lease; the operator sums them.
+    from tidal_operator.kube import Kube
+    from tidal_operator.router.demand_lease import DemandLeasePublisher
+    from tidal_operator.router.waker import DemandBook
+    from tidal_operator.scaling.router_demand import LeaseDemandClient
+
+    registry = Registry()
+    registry.apply_llmservice_event({"type": "ADDED", "object": llmservice("m")})
+    registry.apply_llmservice_event({"type": "ADDED", "object": llmservice("n")})
+    books = [DemandBook(RouterMetrics(), 10), DemandBook(RouterMetrics(), 10)]
+    publishers = [DemandLeasePublisher(api_client, "default", f"router-{i}", book, renew_s=30, debounce_s=0)
+                  for i, book in enumerate(books)]
+    tasks = [asyncio.create_task(p.run()) for p in publishers]
+    kube = Kube(api_client)
+    reader = LeaseDemandClient(kube.request, "default", ttl_s=0)
+    try:
+        books[1].hold(registry.lookup("m"))  # held on the second router only
+        books[1].hold(registry.lookup("m"))
+        books[0].hold(registry.lookup("n"))
+        books[1].hold(registry.lookup("n"))
+
+        async def seen() -> tuple[int | None, int | None]:
+            return await reader.held("default", "m"), await reader.held("default", "n")
+
+        deadline = asyncio.get_running_loop().time() + 10
+        while await seen() != (2, 2):
+            assert asyncio.get_running_loop().time() < deadline, await seen()
+            await asyncio.sleep(0.02)
+        books[1].release(registry.lookup("m"))
+        books[1].release(registry.lookup("m"))
+        while await seen() != (0, 2):
+            assert asyncio.get_running_loop().time() < deadline, await seen()
+            await asyncio.sleep(0.02)
+    finally:
+        for task in tasks:
+            task.cancel()
+        for p in publishers:
+            await p.withdraw()
+    assert await reader.held("default", "n") == 0  # withdrawn Leases count for nothing
+
+
+def test_expired_router_leases_count_for_nothing() -> None:
+    from datetime import datetime, timedelta, timezone
+
+    from tidal_operator.router.demand_lease import lease_body
+    from tidal_operator.scaling.router_demand import demand_from_leases
+
+    now = datetime(2026, 11, 30, 12, 0, tzinfo=timezone.utc)
+    held = [{"namespace": "default", "llmservice": "m", "held": 3}]
+    fresh = lease_body("tidal-router-demand-a", "a", held, now - timedelta(seconds=5), 15)
+    dead = lease_body("tidal-router-demand-b", "b", held, now - timedelta(seconds=16), 15)
+    assert demand_from_leases([fresh, dead], now) == {("default", "m"): 3}

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from tidal_operator.router.demand_lease import DemandLeasePublisher
 from tidal_operator.router.engine_load import EngineLoadPoller
 from tidal_operator.router.metrics import RouterMetrics
 from tidal_operator.router.proxy import AUTHENTICATION, Proxy, RouterConfig, error_body, send_json
@@ -235,8 +236,13 @@ class DrainingServer(uvicorn.Server):
 async def run_router(*, kubeconfig: str | None = None, in_cluster: bool = False, host: str = "0.0.0.0",
                      port: int = 8080, namespace: str | None = None, config: RouterConfig | None = None,
                      api_keys_secret: str | None = None, wake_lease: str = "kubernetes",
-                     log_level: str = "info", ready: asyncio.Event | None = None) -> None:
+                     log_level: str = "info", ready: asyncio.Event | None = None,
+                     demand_leases: str | None = None, router_id: str | None = None) -> None:
     """Serve the router until cancelled: watch the cluster, answer on host:port.
+
+    demand_leases: the namespace where this router keeps its held-demand Lease (the
+    autoscaler reads every router's there); None: no Lease (demand only on /debug/demand).
+    router_id: this replica's name in it (default: hostname-port).
 
     api_keys_secret: "namespace/name" of a Secret whose every value is a client key.
     wake_lease: "kubernetes" (annotation lease on the Pod) or "none" (rely on idempotency).
@@ -258,6 +264,11 @@ async def run_router(*, kubeconfig: str | None = None, in_cluster: bool = False,
     watcher = KubernetesWatcher(registry, api_client, namespace=namespace)
     await watcher.start()
     app = create_app(registry, config, wake_lease=lease, api_keys=keys, synced=watcher.synced.is_set)
+    publisher = None
+    if demand_leases:
+        publisher = DemandLeasePublisher(api_client, demand_leases, router_id or f"{socket.gethostname()}-{port}",
+                                         app.state.demand)
+        tasks.append(asyncio.create_task(publisher.run()))
     server = DrainingServer(app.state.proxy, uvicorn.Config(
         app, host=host, port=port, log_level=log_level, access_log=False,
         timeout_graceful_shutdown=config.shutdown_grace_s))
@@ -272,6 +283,8 @@ async def run_router(*, kubeconfig: str | None = None, in_cluster: bool = False,
         server.should_exit = True
         for task in tasks:
             task.cancel()
+        if publisher is not None:
+            await publisher.withdraw()
         await watcher.stop()
         await api_client.close()
 
@@ -296,6 +309,9 @@ def build_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.
                    help="seconds between reads of each engine's /metrics for its load (0: use only this router's counts)")
     p.add_argument("--shutdown-grace", type=int, default=RouterConfig.shutdown_grace_s,
                    help="seconds in-flight requests get to finish after SIGTERM (held ones get a 503 at once)")
+    p.add_argument("--demand-leases", default=None, metavar="NAMESPACE",
+                   help="keep this router's held-demand Lease in NAMESPACE (what the autoscaler reads)")
+    p.add_argument("--router-id", default=None, help="this replica's name in its Lease (default: hostname-port)")
     p.add_argument("--wake-lease", choices=["kubernetes", "none"], default="kubernetes")
     p.add_argument("--log-level", default="info")
     return p
@@ -312,7 +328,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                           engine_load_interval_s=args.engine_load_interval)
     asyncio.run(run_router(kubeconfig=args.kubeconfig, in_cluster=args.in_cluster, host=args.host, port=args.port,
                            namespace=args.namespace, config=config, api_keys_secret=args.api_keys_secret,
-                           wake_lease=args.wake_lease, log_level=args.log_level))
+                           wake_lease=args.wake_lease, log_level=args.log_level,
+                           demand_leases=args.demand_leases, router_id=args.router_id))
 
 
 if __name__ == "__main__":

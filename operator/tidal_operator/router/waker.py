@@ -238,6 +238,7 @@ class DemandBook:
         self.metrics = metrics
         self.max_held = max_held
         self.by_service: dict[Key, Demand] = {}
+        self.changed = asyncio.Event()  # set on every hold and release (the demand Lease is rewritten)
 
     def hold(self, entry: ModelEntry) -> None:
         """Count one more held request, or raise QueueFull."""
@@ -253,6 +254,7 @@ class DemandBook:
         if demand.held_since is None:
             demand.held_since = now
         self.metrics.held.labels(entry.model_name, entry.namespace, entry.llmservice).inc()
+        self.changed.set()
 
     def release(self, entry: ModelEntry) -> None:
         demand = self.by_service[(entry.namespace, entry.llmservice)]
@@ -260,6 +262,7 @@ class DemandBook:
         if demand.held == 0:
             demand.held_since = None
         self.metrics.held.labels(entry.model_name, entry.namespace, entry.llmservice).dec()
+        self.changed.set()
 
     def snapshot(self) -> list[dict[str, Any]]:
         return [d.as_json() for _, d in sorted(self.by_service.items())]

@@ -44,6 +44,7 @@ from ..reconcile.status import desired_replicas, pod_stuck_reason
 from ..secret_refs import engine_api_key
 from .decide import Decision, Reading, ScalingState, decide_replicas, metric_value
 from .idle import IDLE_SINCE_ANNOTATION, LEVEL_OF_STATE, STATE_OF_LEVEL, IdleAction, ReplicaIdleView, plan_idle
+from .router_demand import LeaseDemandClient
 from .scraper import Scraper, ScrapeTarget
 
 log = logging.getLogger("tidal.scaling")
@@ -61,6 +62,8 @@ class ScalingConfig:
     # Routers whose /debug/demand is read (http://host:port); empty: no held demand known (0).
     router_urls: tuple[str, ...] = ()
     router_api_key: str | None = None  # only when the routers protect /debug/demand
+    # The namespace of the routers' held-demand Leases (every replica's); preferred over router_urls.
+    router_demand_namespace: str | None = None
     history_limit: int = HISTORY_LIMIT
     # Readings kept beyond the longest window, so the window start is always covered.
     history_margin_s: float = 60.0
@@ -475,6 +478,9 @@ class AutoscalerRuntime:
         self.http = httpx.AsyncClient(timeout=self.config.scrape_timeout_s)
         self.scraper = Scraper(timeout_s=self.config.scrape_timeout_s, concurrency=self.config.scrape_concurrency,
                                http=self.http)
+        if demand is None and self.config.router_demand_namespace:
+            demand = LeaseDemandClient(cluster.request, self.config.router_demand_namespace,  # type: ignore[attr-defined]
+                                       ttl_s=self.config.interval_s / 2)
         if demand is None and self.config.router_urls:
             demand = RouterDemandClient(self.config.router_urls, api_key=self.config.router_api_key,
                                         ttl_s=self.config.interval_s / 2, http=self.http)
@@ -524,8 +530,8 @@ class AutoscalerRuntime:
 
 
 def scaling_config_from_env(env: Mapping[str, str] | None = None) -> ScalingConfig:
-    """TIDAL_AUTOSCALE_INTERVAL_SECONDS, TIDAL_ROUTER_URLS (comma-separated),
-    TIDAL_ROUTER_API_KEY, TIDAL_SCRAPE_TIMEOUT_SECONDS, TIDAL_SCRAPE_CONCURRENCY."""
+    """TIDAL_AUTOSCALE_INTERVAL_SECONDS, TIDAL_ROUTER_DEMAND_NAMESPACE (the routers' demand
+    Leases), TIDAL_ROUTER_URLS (comma-separated), TIDAL_ROUTER_API_KEY, TIDAL_SCRAPE_TIMEOUT_SECONDS, TIDAL_SCRAPE_CONCURRENCY."""
     env = os.environ if env is None else env
     base = ScalingConfig()
     return ScalingConfig(
@@ -534,6 +540,7 @@ def scaling_config_from_env(env: Mapping[str, str] | None = None) -> ScalingConf
         scrape_concurrency=int(env.get("TIDAL_SCRAPE_CONCURRENCY") or base.scrape_concurrency),
         router_urls=tuple(u.strip() for u in (env.get("TIDAL_ROUTER_URLS") or "").split(",") if u.strip()),
         router_api_key=env.get("TIDAL_ROUTER_API_KEY") or None,
+        router_demand_namespace=env.get("TIDAL_ROUTER_DEMAND_NAMESPACE") or None,
     )
 
 
