@@ -226,6 +226,9 @@ _VERB_PREFIXES = {"list": "list", "read": "get", "create": "create", "patch": "p
                   "delete": "delete"}
 _CORE_KINDS = {"pod": "pods", "secret": "secrets", "service": "services", "event": "events",
                "namespace": "namespaces", "config_map": "configmaps"}
+_GROUP_KINDS = {"lease": ("coordination.k8s.io", "leases")}
+# The routers' held-demand Leases live in the release namespace only (router writes, operator lists).
+DEMAND_LEASES = "leases"
 
 
 def _method_to_perms(name: str, plural_hint: str | None) -> set[tuple[str, str, str]]:
@@ -244,6 +247,9 @@ def _method_to_perms(name: str, plural_hint: str | None) -> set[tuple[str, str, 
         return {("tidal.dev", "llmservices" + subresource, verb)}
     if rest in _CORE_KINDS:
         return {("", _CORE_KINDS[rest] + subresource, verb)}
+    if rest in _GROUP_KINDS:
+        group, resource = _GROUP_KINDS[rest]
+        return {(group, resource + subresource, verb)}
     return set()
 
 
@@ -426,6 +432,9 @@ def expected_operator(values: dict[str, Any]) -> set[Perm]:
     cluster = rbac.get("scope", "cluster") == "cluster"
     peering = op.get("peering", {}).get("enabled") or op.get("replicas", 1) > 1
     calls = operator_calls()
+    demand = {c for c in calls if c[1] == DEMAND_LEASES}
+    calls -= demand
+    release_ns = scoped(NAMESPACE, demand) if values.get("router", {}).get("enabled", True) else set()
     # The peering gate's get of the peering object is found in the code; kopf adds the rest.
     peer_calls = {c for c in calls if c[0] == "kopf.dev"}
     ns_rules = {c for c in calls if c[0] != "kopf.dev"}
@@ -434,7 +443,7 @@ def expected_operator(values: dict[str, Any]) -> set[Perm]:
         if peering:
             out |= scoped("*", {(g, r, v) for g, r, v in peer_calls if r == "clusterkopfpeerings"}
                           | {("kopf.dev", "clusterkopfpeerings", v) for v in PEERING_VERBS})
-        return out
+        return out | release_ns
     if peering:
         ns_rules |= {(g, r, v) for g, r, v in peer_calls if r == "kopfpeerings"}
         ns_rules |= {("kopf.dev", "kopfpeerings", v) for v in PEERING_VERBS}
@@ -443,7 +452,7 @@ def expected_operator(values: dict[str, Any]) -> set[Perm]:
         out |= scoped(ns, ns_rules)
     if rbac.get("kopfScanning", True):
         out |= scoped("*", KOPF_SCANNING | KOPF_NAMESPACES)
-    return out
+    return out | release_ns
 
 
 def expected_router(values: dict[str, Any]) -> set[Perm]:
@@ -454,9 +463,11 @@ def expected_router(values: dict[str, Any]) -> set[Perm]:
     if router.get("wakeLease") == "none":
         # --wake-lease none: the lease (pods get/patch) is never constructed.
         calls -= {("", "pods", "get"), ("", "pods", "patch")}
+    demand = {c for c in calls if c[1] == DEMAND_LEASES}
+    calls -= demand
     rbac = values.get("rbac", {})
     if rbac.get("scope", "cluster") == "cluster":
-        return scoped("*", calls)
+        return scoped("*", calls) | scoped(NAMESPACE, demand)
     watched = rbac.get("watchNamespaces") or [NAMESPACE]
     out: set[Perm] = set()
     for ns in watched:
@@ -464,7 +475,7 @@ def expected_router(values: dict[str, Any]) -> set[Perm]:
     if NAMESPACE not in watched:
         secret = router.get("apiKey", {}).get("existingSecret") or f"{RELEASE}-router-api-key"
         out.add((NAMESPACE, "", "secrets", "get", secret))  # its client-key Secret, that one only
-    return out
+    return out | scoped(NAMESPACE, demand)
 
 
 def test_router_calls_found_in_code() -> None:
@@ -473,6 +484,8 @@ def test_router_calls_found_in_code() -> None:
         ("tidal.dev", "llmservices", "list"), ("tidal.dev", "llmservices", "watch"),
         ("", "pods", "list"), ("", "pods", "watch"), ("", "pods", "get"), ("", "pods", "patch"),
         ("", "secrets", "get"),
+        ("coordination.k8s.io", "leases", "create"), ("coordination.k8s.io", "leases", "patch"),
+        ("coordination.k8s.io", "leases", "delete"),
     }
 
 
@@ -487,6 +500,7 @@ def test_operator_calls_found_in_code() -> None:
         ("policy", "poddisruptionbudgets", "patch"), ("", "services", "create"), ("", "services", "patch"),
         ("", "secrets", "get"), ("", "events", "create"),
         ("kopf.dev", "kopfpeerings", "get"), ("kopf.dev", "clusterkopfpeerings", "get"),
+        ("coordination.k8s.io", "leases", "list"),
     }
     assert owner_reference_calls() == {("tidal.dev", "llmservices/finalizers", "update")}
     assert kopf_calls() == {
@@ -764,8 +778,10 @@ def test_operator_configuration_reaches_what_the_handlers_read() -> None:
     config = handlers.config_from_env({k: v["value"] for k, v in env.items() if "value" in v})
     assert config.default_engine_image == "registry.local/tidal-engine:cu128" and config.namespace is None
     scaling = controller.scaling_config_from_env({k: v["value"] for k, v in env.items() if "value" in v})
-    assert scaling.router_urls == (f"http://{RELEASE}-router.{NAMESPACE}.svc:80",)
-    assert env["TIDAL_ROUTER_API_KEY"]["valueFrom"]["secretKeyRef"]["optional"] is True
+    # Held demand from every router replica's Lease, not from one URL (one replica per tick).
+    assert scaling.router_demand_namespace == NAMESPACE and scaling.router_urls == ()
+    router_args = container_args(render({}), f"{RELEASE}-router")
+    assert f"--demand-leases={NAMESPACE}" in router_args
     namespaced = operator_env(render(SCENARIOS["namespaced-all-on"]))
     assert namespaced[handlers.ENV_NAMESPACE]["value"] == "ml-models"
 

@@ -12,8 +12,9 @@ Three processes, each in its own session so `tidal dev up` can return:
 - controlplane: the emulated API server and the local kubelet in one event loop (the engines
   are its children, each in its own process group);
 - operator: `tidal operator --standalone` against the kubeconfig, reading held demand from
-  the router (TIDAL_ROUTER_URLS, TIDAL_ROUTER_API_KEY), so scale-from-zero works;
-- router: `tidal router` on loopback, with the key from `.tidal/api-key`.
+  the routers' Leases in `default` (TIDAL_ROUTER_DEMAND_NAMESPACE), so scale-from-zero works;
+- router: `tidal router` on loopback, with the key from `.tidal/api-key`, publishing its held
+  demand there (`--demand-leases default`).
 `down()` stops them (the control plane's kubelet stops the engines) and then kills any engine
 process group still alive, so nothing is left behind even after a crash.
 """
@@ -273,12 +274,7 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def _planned_router_url(paths: Paths, options: UpOptions) -> str:
-    """The router's URL: the running one's, else the one step 3 is about to start."""
-    if read_pid(paths, "router") is not None:
-        with contextlib.suppress(OSError, ValueError, KeyError):
-            return str(json.loads(paths.stack.read_text())["router"])
-    return f"http://127.0.0.1:{options.router_port}"
+DEMAND_NAMESPACE = "default"  # where `tidal dev`'s router keeps its held-demand Lease
 
 
 def up(options: UpOptions, out: Any = sys.stdout) -> dict[str, Any]:
@@ -308,9 +304,8 @@ def up(options: UpOptions, out: Any = sys.stdout) -> dict[str, Any]:
     # the router's held demand (scale from zero) from the router this stack runs, with the key.
     if read_pid(paths, "operator") is None:
         operator_env: dict[str, str] = {}
-        if options.router:
-            operator_env = {"TIDAL_ROUTER_URLS": _planned_router_url(paths, options),
-                            "TIDAL_ROUTER_API_KEY": api_key}
+        if options.router:  # every router's held demand, from their Leases
+            operator_env = {"TIDAL_ROUTER_DEMAND_NAMESPACE": DEMAND_NAMESPACE}
         _spawn(paths, "operator", [_python(), "-m", "tidal_operator.cli", "operator", "--standalone",
                                    "--kubeconfig", str(paths.kubeconfig), "--resync-seconds", "30"],
                env=operator_env)
@@ -325,7 +320,8 @@ def up(options: UpOptions, out: Any = sys.stdout) -> dict[str, Any]:
                 raise StackError(f"port {options.router_port} is taken: pass --router-port")
             _spawn(paths, "router", [_python(), "-m", "tidal_operator.cli", "router", "--kubeconfig",
                                      str(paths.kubeconfig), "--host", "127.0.0.1",
-                                     "--port", str(options.router_port), "--log-level", "warning"],
+                                     "--port", str(options.router_port), "--log-level", "warning",
+                                     "--demand-leases", DEMAND_NAMESPACE],
                    env={"TIDAL_ROUTER_API_KEY": api_key})
             state["router"] = f"http://127.0.0.1:{options.router_port}"
             paths.stack.write_text(json.dumps(state))
