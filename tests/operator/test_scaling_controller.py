@@ -340,6 +340,33 @@ async def test_runtime_ticks_every_autoscaled_service_and_feeds_the_handlers_hoo
             await runtime.aclose()
 
 
+async def test_demand_held_on_any_router_replica_scales_from_zero(cluster: Cluster) -> None:
+    # Two router replicas publish their held demand in Leases; only the second holds a request
+    # for "cold". Asking one router (the Service) could miss it; the Leases cannot.
+    from tidal_operator.router.demand_lease import DemandLeasePublisher
+    from tidal_operator.router.metrics import RouterMetrics
+    from tidal_operator.router.registry import Registry
+    from tidal_operator.router.waker import DemandBook
+    from tidal_operator.scaling.router_demand import LeaseDemandClient
+
+    await cluster.llm("cold", port=1, autoscaling={**AUTOSCALING, "minReplicas": 0}, status={"desiredReplicas": 0})
+    registry = Registry()
+    registry.apply_llmservice_event({"type": "ADDED", "object": await cluster.kube.get_llmservice(NS, "cold")})
+    books = [DemandBook(RouterMetrics(), 10), DemandBook(RouterMetrics(), 10)]
+    books[1].hold(registry.lookup("cold"))
+    for i, book in enumerate(books):
+        await DemandLeasePublisher(cluster.kube.api, NS, f"router-{i}", book).publish()
+    runtime = AutoscalerRuntime(cluster.api, ScalingConfig(interval_s=1, router_demand_namespace=NS))
+    try:
+        assert isinstance(runtime.demand, LeaseDemandClient)
+        await runtime.tick_all(NS)
+        llm = await cluster.kube.get_llmservice(NS, "cold")
+        assert llm["status"]["desiredReplicas"] == 1
+        assert "held by the router" in llm["status"]["scalingHistory"][-1]["reason"]
+    finally:
+        await runtime.aclose()
+
+
 async def test_router_demand_client_sums_routers_and_any_failure_is_unknown() -> None:
     from router_upstreams import closed_port, serve
 
