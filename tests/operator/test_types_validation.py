@@ -152,6 +152,13 @@ def test_adapters_duplicates_and_allow_list() -> None:
     assert only(pvc, config=only_hf).reason == "AdapterURINotAllowed"
 
 
+def test_file_adapter_error_says_how_to_allow_a_root() -> None:
+    p = only({**BASE, "lora": {"adapters": [{"name": "a", "uri": "file:///srv/a"}]}},
+             config=OperatorConfig(allowed_adapter_uri_prefixes=("file://",)))
+    assert "--allowed-file-root DIR" in p.message and "TIDAL_ALLOWED_FILE_ROOTS" in p.message
+    assert "tidal dev up --allow-file-root DIR" in p.message
+
+
 def test_served_name_format() -> None:
     p = only({"model": {"uri": "bundled://smollm2-135m", "servedName": "has spaces"}})
     assert p.field == "spec.model.servedName"

@@ -255,7 +255,9 @@ def check_adapter_uri(uri: str, field: str, config: OperatorConfig) -> Validatio
         if FILE_URI.match(uri) and "/../" not in path + "/" and any(path.startswith(r) for r in roots):
             return None
         where = ", ".join(config.allowed_file_roots) or "nowhere (no file roots are configured)"
-        return ValidationProblem(field, f"file:// adapters are only allowed under {where}", "AdapterURINotAllowed")
+        return ValidationProblem(field, f"file:// adapters are only allowed under {where}: allow a directory with "
+                                 "the operator's --allowed-file-root DIR (env TIDAL_ALLOWED_FILE_ROOTS, comma-"
+                                 "separated; locally: tidal dev up --allow-file-root DIR)", "AdapterURINotAllowed")
     allowed = config.allowed_adapter_uri_prefixes
     if not uri.startswith(tuple(allowed)):
         return ValidationProblem(field, f"{uri!r} is not allowed: adapter URIs must start with one of "

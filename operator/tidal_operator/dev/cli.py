@@ -27,6 +27,9 @@ def build_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.
     u.add_argument("--api-port", type=int, default=0, help="the API server's port (default: a free one)")
     u.add_argument("--crds", type=Path, default=DEFAULT_CRDS)
     u.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for Ready (default 300)")
+    u.add_argument("--allow-file-root", dest="file_roots", action="append", type=Path, default=[], metavar="DIR",
+                   help="a directory file:// LoRA adapters may come from (repeatable; the operator's "
+                        "--allowed-file-root; takes effect when the operator starts)")
     sub.add_parser("down", help="stop everything `up` started, engine processes included")
     sub.add_parser("status", help="what is running, and the LLMServices")
     return p
@@ -39,7 +42,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             files = args.files or [DEFAULT_EXAMPLE]
             up(UpOptions(files=files, state_dir=args.state_dir, api_port=args.api_port,
                          router_port=args.router_port, router=not args.no_router, fake_engines=args.fake_engines,
-                         apply=not args.no_apply, wait_s=args.timeout, crds=args.crds))
+                         apply=not args.no_apply, wait_s=args.timeout, crds=args.crds,
+                         allowed_file_roots=tuple(args.file_roots)))
         elif args.dev_command == "down":
             down(args.state_dir)
         else:

@@ -176,7 +176,10 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def port_free(host: str, port: int) -> bool:
+    """Whether a server could listen on the port now. SO_REUSEADDR, as the servers themselves
+    set it: connections in TIME_WAIT from a stack just stopped don't make the port taken."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:
@@ -242,6 +245,8 @@ class UpOptions:
     apply: bool = True
     wait_s: float = 300.0
     crds: Path = DEFAULT_CRDS
+    # Directories file:// LoRA adapters may come from (the operator's --allowed-file-root).
+    allowed_file_roots: tuple[Path, ...] = ()
 
 
 def _python() -> str:
@@ -306,8 +311,9 @@ def up(options: UpOptions, out: Any = sys.stdout) -> dict[str, Any]:
         operator_env: dict[str, str] = {}
         if options.router:  # every router's held demand, from their Leases
             operator_env = {"TIDAL_ROUTER_DEMAND_NAMESPACE": DEMAND_NAMESPACE}
+        roots = [arg for root in options.allowed_file_roots for arg in ("--allowed-file-root", str(root.resolve()))]
         _spawn(paths, "operator", [_python(), "-m", "tidal_operator.cli", "operator", "--standalone",
-                                   "--kubeconfig", str(paths.kubeconfig), "--resync-seconds", "30"],
+                                   "--kubeconfig", str(paths.kubeconfig), "--resync-seconds", "30", *roots],
                env=operator_env)
         print(f"starting the operator (logs: {paths.log('operator')})", file=out)
 
@@ -349,8 +355,9 @@ def up(options: UpOptions, out: Any = sys.stdout) -> dict[str, Any]:
 
 
 def curl_line(model: str, router_url: str | None, paths: Paths, llm: Obj) -> str:
+    # temperature 0: a small model sampled at 1 answers this wrong more often than not.
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}],
-                       "max_tokens": 32})
+                       "max_tokens": 32, "temperature": 0})
     if router_url:
         return (f"curl -s {router_url}/v1/chat/completions -H \"Authorization: Bearer $(cat {paths.api_key})\" "
                 f"-H 'Content-Type: application/json' -d '{body}'")
