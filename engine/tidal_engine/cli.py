@@ -199,6 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--generation-config", default="auto", metavar="auto|vllm|PATH",
                       help="sampling defaults: the model's generation_config.json (auto), none (vllm), "
                            "or the one in PATH")
+    http.add_argument("--metrics-prefix", default="tidal", choices=("tidal", "vllm"),
+                      help="name /metrics families tidal:… or vllm:… (vLLM dashboards, KEDA, the Gateway API "
+                           "Inference Extension read vllm:… unchanged)")
     logs = serve.add_argument_group("logging")
     logs.add_argument("--disable-log-requests", action="store_true", help="no per-request log line")
     logs.add_argument("--log-prompts", action="store_true", help="include prompts in the request log line")
@@ -348,6 +351,7 @@ def serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         reasoning_parser=args.reasoning_parser,
         chat_template=chat_template,
         generation_config=args.generation_config,
+        metrics_prefix=args.metrics_prefix,
     )
     if resolve_runner(config) == "pooling":
         from tidal_engine.server.pooling import serve_pooling

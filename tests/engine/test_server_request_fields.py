@@ -171,3 +171,23 @@ def test_tokenizer_flag_serves_with_that_tokenizer(tmp_path: Path) -> None:
             list(b"hello")
         data = c.post("/v1/completions", json={"prompt": "hello", "max_tokens": 3, "temperature": 0}).json()
         assert data["usage"]["prompt_tokens"] == 5
+
+
+def test_metrics_prefix_vllm_renames_every_vllm_family(client: httpx.Client) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def families(text: str) -> set[str]:
+        return {family.name for family in text_string_to_metric_families(text)}
+
+    complete(client)
+    tidal = families(client.get("/metrics").text)
+    with live_server(metrics_prefix="vllm") as live, live.client() as c:
+        assert c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+        text = c.get("/metrics").text
+        vllm = families(text)
+    tidal_only = {"tidal:num_requests_running_peak"}
+    assert {name.replace("tidal:", "vllm:", 1) for name in tidal - tidal_only} == vllm - tidal_only
+    assert {"vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+            "vllm:time_to_first_token_seconds", "vllm:request_success", "vllm:prompt_tokens"} <= vllm
+    assert 'vllm:request_success_total{finished_reason="length",model_name="tiny"} 1.0' in text
+    assert not [name for name in vllm if name.startswith("tidal:") and name not in tidal_only]

@@ -746,10 +746,13 @@ def test_grafana_dashboard_queries_the_engine_metrics() -> None:
     dash = json.loads(cm["data"]["tidal.json"])
     exprs = {p["title"]: " ".join(t["expr"] for t in p["targets"]) for p in dash["panels"]}
     everything = " ".join(exprs.values())
-    for metric in ("rate(tidal:generation_tokens_total", "tidal:time_to_first_token_seconds_bucket",
-                   "tidal:inter_token_latency_seconds_bucket", "tidal:num_requests_waiting",
-                   "tidal:kv_cache_usage_perc", "tidal:engine_sleep_state", "tidal_router_held_requests"):
-        assert metric in everything, metric
+    # Every engine query matches both --metrics-prefix choices (tidal: and vllm:).
+    for name in ("generation_tokens_total", "time_to_first_token_seconds_bucket",
+                 "inter_token_latency_seconds_bucket", "num_requests_waiting", "kv_cache_usage_perc",
+                 "engine_sleep_state"):
+        assert f'{{__name__=~"(tidal|vllm):{name}"' in everything, name
+    assert "tidal:" not in everything.replace("(tidal|vllm):", "")
+    assert "tidal_router_held_requests" in everything
     assert sum("histogram_quantile" in e for e in exprs.values()) == 2
     assert any("replica" in title.lower() for title in exprs)
     ids = [p["id"] for p in dash["panels"]]

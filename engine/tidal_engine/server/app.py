@@ -22,7 +22,7 @@ from tidal_engine.engine.async_engine import EngineClient
 from tidal_engine.server.admin import build_admin_router
 from tidal_engine.server.auth import APIKeyMiddleware
 from tidal_engine.server.errors import ENGINE_UNAVAILABLE, bad_request, error_response, install_error_handlers
-from tidal_engine.server.metrics import CONTENT_TYPE, ServerMetrics
+from tidal_engine.server.metrics import CONTENT_TYPE, METRICS_PREFIXES, ServerMetrics
 from tidal_engine.server.request_log import RequestLogger
 from tidal_engine.server.responses import ResponsesServing
 from tidal_engine.server.serving import OpenAIServing, ServingSettings, read_json_body
@@ -53,6 +53,7 @@ class ServerSettings:
     chat_template: str | None = None
     generation_config: str = "vllm"  # auto | vllm | PATH: read into default_sampling when the server starts
     default_sampling: dict[str, Any] = field(default_factory=dict)
+    metrics_prefix: str = "tidal"  # tidal | vllm (docs/metrics.md)
 
 
 def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
@@ -66,7 +67,7 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
                         chat_template=settings.chat_template, default_sampling=dict(settings.default_sampling)),
     )
     responses_serving = ResponsesServing(serving)
-    metrics = ServerMetrics(engine, names[0], engine.max_model_len)
+    metrics = ServerMetrics(engine, names[0], engine.max_model_len, METRICS_PREFIXES[settings.metrics_prefix])
     if settings.log_requests:
         engine.add_finished_listener(RequestLogger(log_prompts=settings.log_prompts))
 

@@ -1,4 +1,6 @@
-"""Prometheus metrics: vLLM's names with the `tidal:` prefix (docs/metrics.md maps them).
+"""Prometheus metrics: vLLM's names with the `tidal:` prefix, or with vLLM's own `vllm:` prefix
+(--metrics-prefix vllm) so vLLM dashboards, KEDA triggers and the Gateway API Inference
+Extension read them unchanged (docs/metrics.md maps them). Tidal-only families keep `tidal:`.
 
 Gauges and counters are read from the engine's own cumulative stats at scrape time (a
 custom collector), so they can never drift from the engine. Per-request histograms and
@@ -17,6 +19,7 @@ from prometheus_client.registry import Collector
 from tidal_engine.engine.async_engine import EngineClient, FinishedRequest
 
 PREFIX = "tidal:"
+METRICS_PREFIXES = {"tidal": "tidal:", "vllm": "vllm:"}  # --metrics-prefix
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # Bucket edges follow vLLM's, so ported dashboards keep their resolution.
@@ -47,9 +50,10 @@ SLEEP_STATES = {0: "awake", 1: "weights_offloaded", 2: "discard_all"}
 class _EngineStatsCollector(Collector):
     """Gauges and counters straight from the engine's latest stats snapshot."""
 
-    def __init__(self, engine: EngineClient, model_name: str) -> None:
+    def __init__(self, engine: EngineClient, model_name: str, prefix: str = PREFIX) -> None:
         self.engine = engine
         self.model_name = model_name
+        self.prefix = prefix
 
     def collect(self) -> Iterator[Metric]:
         snapshot = self.engine.snapshot
@@ -60,25 +64,25 @@ class _EngineStatsCollector(Collector):
             return float(getattr(stats, name, 0) or 0)
 
         def gauge(name: str, doc: str, v: float) -> GaugeMetricFamily:
-            family = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            family = GaugeMetricFamily(self.prefix + name, doc, labels=["model_name"])
             family.add_metric(labels, v)
             return family
 
         def counter(name: str, doc: str, v: float) -> CounterMetricFamily:
-            family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            family = CounterMetricFamily(self.prefix + name, doc, labels=["model_name"])
             family.add_metric(labels, v)
             return family
 
         yield gauge("num_requests_running", "Requests in the running batch.", value("num_running"))
         yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", value("num_waiting"))
-        yield gauge(
-            "num_requests_running_peak",
-            "Tidal only: the most requests ever seen running in one step since start.",
-            float(snapshot.peak_running),
-        )
+        peak = GaugeMetricFamily(PREFIX + "num_requests_running_peak",  # Tidal only: always tidal:
+                                 "Tidal only: the most requests ever seen running in one step since start.",
+                                 labels=["model_name"])
+        peak.add_metric(labels, float(snapshot.peak_running))
+        yield peak
         yield gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).", value("kv_cache_usage"))
         sleep = GaugeMetricFamily(
-            PREFIX + "engine_sleep_state",
+            self.prefix + "engine_sleep_state",
             "1 for the engine's current sleep state, 0 for the others.",
             labels=["model_name", "sleep_state"],
         )
@@ -96,7 +100,7 @@ class _EngineStatsCollector(Collector):
         if max_loras:
             # vLLM's lora_requests_info: the adapters in the labels, the update time as the value.
             lora = GaugeMetricFamily(
-                PREFIX + "lora_requests_info",
+                self.prefix + "lora_requests_info",
                 "Running and waiting LoRA adapters (comma-separated) and max_lora; the value is the time "
                 "of the update.",
                 labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
@@ -112,17 +116,17 @@ class _EngineStatsCollector(Collector):
 class ServerMetrics:
     """The server's registry; `observe_finished` is called in the engine loop thread."""
 
-    def __init__(self, engine: EngineClient, model_name: str, max_model_len: int) -> None:
+    def __init__(self, engine: EngineClient, model_name: str, max_model_len: int, prefix: str = PREFIX) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
-        self.registry.register(_EngineStatsCollector(engine, model_name))
+        self.registry.register(_EngineStatsCollector(engine, model_name, prefix))
         token_buckets = _token_buckets(max_model_len)
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...] | list[float]) -> Histogram:
-            return Histogram(PREFIX + name, doc, ["model_name"], registry=self.registry, buckets=buckets)
+            return Histogram(prefix + name, doc, ["model_name"], registry=self.registry, buckets=buckets)
 
         self.request_success = Counter(
-            PREFIX + "request_success", "Finished requests, by finish reason.",
+            prefix + "request_success", "Finished requests, by finish reason.",
             ["model_name", "finished_reason"], registry=self.registry,
         )
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS)

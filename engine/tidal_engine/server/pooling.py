@@ -27,6 +27,7 @@ from tidal_engine.server.app import ServerSettings
 from tidal_engine.server.auth import APIKeyMiddleware
 from tidal_engine.server.errors import (ENGINE_UNAVAILABLE, NOT_FOUND, APIError, bad_request, error_response,
                                         install_error_handlers, validation_error_to_api_error)
+from tidal_engine.server.metrics import METRICS_PREFIXES
 from tidal_engine.server.pooling_metrics import PoolingMetrics
 from tidal_engine.server.pooling_protocol import (MAX_INPUTS, EmbeddingData, EmbeddingRequest, EmbeddingResponse,
                                                   PoolingData, PoolingRequest, PoolingResponse, RerankDocument,
@@ -222,7 +223,7 @@ class PoolingServing:
 def build_pooling_app(engine: PoolingEngine, settings: ServerSettings) -> FastAPI:
     names = settings.served_model_names or [engine.model_name]
     serving = PoolingServing(engine, names, settings.model_source or names[0])
-    metrics = PoolingMetrics(engine, names[0])
+    metrics = PoolingMetrics(engine, names[0], METRICS_PREFIXES[settings.metrics_prefix])
     limit = settings.max_request_body_bytes
 
     @contextlib.asynccontextmanager

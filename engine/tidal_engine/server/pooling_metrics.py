@@ -15,9 +15,10 @@ from tidal_engine.server.metrics import CONTENT_TYPE, PREFIX
 
 
 class _PoolingCollector(Collector):
-    def __init__(self, engine: PoolingEngine, model_name: str) -> None:
+    def __init__(self, engine: PoolingEngine, model_name: str, prefix: str = PREFIX) -> None:
         self.engine = engine
         self.model_name = model_name
+        self.prefix = prefix
 
     def collect(self) -> Iterator[Metric]:
         stats = self.engine.stats
@@ -25,7 +26,7 @@ class _PoolingCollector(Collector):
             ("num_requests_running", "Pooling requests in the step on the device.", stats.num_running),
             ("num_requests_waiting", "Pooling requests queued for a step.", stats.num_waiting),
         ):
-            gauge = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            gauge = GaugeMetricFamily(self.prefix + name, doc, labels=["model_name"])
             gauge.add_metric([self.model_name], float(value))
             yield gauge
         for name, doc, value in (
@@ -33,7 +34,7 @@ class _PoolingCollector(Collector):
             ("prompt_tokens", "Prompt tokens processed.", stats.prompt_tokens_total),
             ("pooling_step_seconds", "Seconds spent in pooling steps.", stats.step_seconds_total),
         ):
-            counter = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            counter = CounterMetricFamily(self.prefix + name, doc, labels=["model_name"])
             counter.add_metric([self.model_name], float(value))
             yield counter
 
@@ -41,9 +42,9 @@ class _PoolingCollector(Collector):
 class PoolingMetrics:
     content_type = CONTENT_TYPE
 
-    def __init__(self, engine: PoolingEngine, model_name: str) -> None:
+    def __init__(self, engine: PoolingEngine, model_name: str, prefix: str = PREFIX) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(_PoolingCollector(engine, model_name))
+        self.registry.register(_PoolingCollector(engine, model_name, prefix))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
