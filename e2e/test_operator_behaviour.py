@@ -157,6 +157,14 @@ def test_deleting_the_llmservice_removes_pods_and_service(fake_stack: Any) -> No
     assert "NotFound" in fake_stack.kubectl("get", "service", "restart", check=False)
 
 
+def test_kubectl_scale_changes_the_replicas(fake_stack: Any) -> None:
+    apply(fake_stack, llmservice("scaled"))
+    fake_stack.wait_for(lambda: len(fake_stack.pods("scaled")) == 1, BOUND_S, "1 Pod")
+    assert "scaled" in fake_stack.kubectl("scale", "llm/scaled", "--replicas=2")
+    fake_stack.wait_for(lambda: len(fake_stack.pods("scaled")) == 2, BOUND_S, "2 Pods after kubectl scale")
+    assert fake_stack.llm("scaled")["spec"]["replicas"] == 2
+
+
 def test_kubectl_get_prints_the_printer_columns(fake_stack: Any) -> None:
     """The emulated API server answers kubectl's Table requests (additionalPrinterColumns)."""
     apply(fake_stack, llmservice("tables", replicas=2))

@@ -452,6 +452,49 @@ def test_kubectl_crd_flow(kubectl: Callable[..., Any], tmp_path: Path, ns: str) 
 
 
 @needs_kubectl
+def test_kubectl_scale_through_the_scale_subresource(kubectl: Callable[..., Any], tmp_path: Path, ns: str) -> None:
+    version = {**GADGET_CRD["spec"]["versions"][0], "subresources": {"status": {}, "scale": {
+        "specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas",
+        "labelSelectorPath": ".status.selector"}}}
+    crd = {**GADGET_CRD, "metadata": {"name": "scalables.tidal.test"}, "spec": {
+        **GADGET_CRD["spec"], "versions": [version],
+        "names": {"plural": "scalables", "singular": "scalable", "kind": "Scalable"}}}
+    (tmp_path / "crd.yaml").write_text(yaml.safe_dump(crd))
+    kubectl("apply", "-f", str(tmp_path / "crd.yaml"))
+    kubectl("apply", "-n", ns, "-f", "-",
+            input="apiVersion: tidal.test/v1\nkind: Scalable\nmetadata: {name: s1}\nspec: {replicas: 1}\n")
+    assert "scaled" in kubectl("scale", "-n", ns, "scalable/s1", "--replicas=3").stdout
+    replicas = kubectl("get", "-n", ns, "scalable", "s1", "-o", "jsonpath={.spec.replicas}").stdout
+    assert replicas == "3"
+    assert kubectl("scale", "-n", ns, "scalable/s1", "--replicas=-1", check=False).returncode != 0
+    kubectl("delete", "crd", "scalables.tidal.test")
+
+
+@needs_kubectl
+def test_kubectl_logs_follow(kubeconfig: Path, core: k8s.CoreV1Api, server: ApiServerHandle, tmp_path: Path,
+                             ns: str) -> None:
+    """`kubectl logs -f` streams until the Pod finishes. This server has no kubelet: the test
+    writes the log file where the local kubelet would, and finishes the Pod itself."""
+    core.create_namespaced_pod(ns, {"metadata": {"name": "talker"}, "spec": {"containers": [{"name": "c", "image": "x"}]}})
+    previous, server.server.log_dir = server.server.log_dir, tmp_path
+    path = tmp_path / ns / "talker" / "c.log"
+    path.parent.mkdir(parents=True)
+    path.write_text("first\n")
+    follower = subprocess.Popen(["kubectl", "logs", "-f", "-n", ns, "talker"], stdout=subprocess.PIPE, text=True,
+                                env={**os.environ, "KUBECONFIG": str(kubeconfig)})
+    try:
+        assert follower.stdout is not None and follower.stdout.readline() == "first\n"
+        with path.open("a") as f:
+            f.write("second\n")
+        assert follower.stdout.readline() == "second\n"
+        core.patch_namespaced_pod_status("talker", ns, {"status": {"phase": "Succeeded"}})
+        assert follower.wait(timeout=10) == 0
+    finally:
+        follower.kill()
+        server.server.log_dir = previous
+
+
+@needs_kubectl
 def test_kubectl_get_watch(kubectl: Callable[..., Any], kubeconfig: Path, core: k8s.CoreV1Api, ns: str) -> None:
     env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
     proc = subprocess.Popen(["kubectl", "get", "cm", "-n", ns, "-w", "--no-headers", "-o", "name"], env=env,

@@ -256,6 +256,10 @@ class ApiServer:
             if rt.has_status:
                 resources.append({"name": f"{rt.plural}/status", "singularName": "", "namespaced": rt.namespaced,
                                   "kind": rt.kind, "verbs": ["get", "patch", "update"]})
+            if rt.scale is not None:
+                resources.append({"name": f"{rt.plural}/scale", "singularName": "", "namespaced": rt.namespaced,
+                                  "group": "autoscaling", "version": "v1", "kind": "Scale",
+                                  "verbs": ["get", "patch", "update"]})
             if rt.key == ("", "pods"):
                 resources.append({"name": "pods/log", "singularName": "", "namespaced": True, "kind": "Pod",
                                   "verbs": ["get"]})
@@ -331,8 +335,8 @@ class ApiServer:
         sub = parts[2] if len(parts) > 2 else None
         if name and rt.namespaced and namespace is None:
             raise ApiError(404, "NotFound", "the server could not find the requested resource")
-        if sub not in (None, "status", "log") or (sub == "status" and not rt.has_status) or (
-                sub == "log" and rt.key != ("", "pods")):
+        if sub not in (None, "status", "log", "scale") or (sub == "status" and not rt.has_status) or (
+                sub == "log" and rt.key != ("", "pods")) or (sub == "scale" and rt.scale is None):
             raise ApiError(404, "NotFound", "the server could not find the requested resource")
         return rt, namespace, name, sub
 
@@ -355,7 +359,11 @@ class ApiServer:
                                             listing["metadata"]["resourceVersion"]))
                 return _json(listing)
             if sub == "log":
+                if _truthy(query.get("follow")):
+                    return await self._follow_pod_log(request, namespace or "", name)
                 return self._pod_log(namespace or "", name, query)
+            if sub == "scale":
+                return _json(self.api.get_scale(rt, namespace, name))
             obj = self.api.present(self.api.get(rt, namespace, name), rt, version)
             if table:
                 return _json(self.table(rt, version, [obj], include, obj["metadata"].get("resourceVersion", "")))
@@ -363,6 +371,10 @@ class ApiServer:
         if method == "POST" and name is None:
             obj = self.api.create(rt, namespace, await self._body(request), version=version, dry_run=dry_run)
             return _json(self.api.present(obj, rt, version), 201)
+        if method in ("PUT", "PATCH") and name is not None and sub == "scale":
+            raw = await request.read()
+            return _json(self.api.write_scale(rt, namespace, name, request.content_type if method == "PATCH" else None,
+                                              raw, dry_run=dry_run))
         if method == "PUT" and name is not None and sub != "log":
             obj = self.api.update(rt, namespace, name, await self._body(request), subresource=sub, version=version,
                                   dry_run=dry_run)
@@ -457,13 +469,41 @@ class ApiServer:
         return {"kind": "Table", "apiVersion": "meta.k8s.io/v1", "metadata": {"resourceVersion": resource_version},
                 "columnDefinitions": columns, "rows": rows}
 
-    def _pod_log(self, namespace: str, name: str, query: Any) -> web.Response:
+    def _log_path(self, namespace: str, name: str, query: Any) -> Path | None:
         pod = self.api.get(self.api.types[("", "pods")], namespace, name)
         containers = [c.get("name") for c in pod.get("spec", {}).get("containers", [])]
         container = query.get("container") or (containers[0] if containers else "")
         if container not in containers:
             raise ApiError(400, "BadRequest", f"container {container} is not valid for pod {name}")
-        path = self.log_dir / namespace / name / f"{container}.log" if self.log_dir else None
+        return self.log_dir / namespace / name / f"{container}.log" if self.log_dir else None
+
+    async def _follow_pod_log(self, request: web.Request, namespace: str, name: str) -> web.StreamResponse:
+        """`kubectl logs -f`: what the file holds, then what the kubelet appends, until the Pod
+        is gone or finished, or the client leaves."""
+        path = self._log_path(namespace, name, request.query)
+        response = web.StreamResponse(headers={"Content-Type": "text/plain"})
+        await response.prepare(request)
+        offset = 0
+        pods = self.api.types[("", "pods")]
+        try:
+            while True:
+                if path is not None and path.exists():
+                    with path.open("rb") as f:
+                        f.seek(offset)
+                        chunk = f.read()
+                    if chunk:
+                        offset += len(chunk)
+                        await response.write(chunk)
+                pod = self.store.get(pods.key, namespace, name)
+                if pod is None or (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+                    break
+                await asyncio.sleep(0.2)
+        except (ConnectionResetError, asyncio.CancelledError):
+            pass
+        return response
+
+    def _pod_log(self, namespace: str, name: str, query: Any) -> web.Response:
+        path = self._log_path(namespace, name, query)
         text = path.read_text(errors="replace") if path and path.exists() else ""
         if "tailLines" in query:
             lines = text.splitlines(keepends=True)

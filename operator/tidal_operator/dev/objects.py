@@ -64,6 +64,22 @@ def _without_managed(obj: Obj) -> Obj:
     return {**obj, "metadata": meta}
 
 
+def _at_path(obj: Obj, path: str) -> Any:
+    """The value at a CRD scale path such as `.spec.replicas` (None if absent)."""
+    node: Any = obj
+    for part in [p for p in path.split(".") if p]:
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
+
+
+def _set_path(obj: Obj, path: str, value: Any) -> None:
+    parts = [p for p in path.split(".") if p]
+    node = obj
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+    node[parts[-1]] = value
+
+
 def _content(obj: Obj) -> Obj:
     """What `generation` tracks: everything except metadata, status and the type header."""
     return {k: v for k, v in obj.items() if k not in ("metadata", "status", "apiVersion", "kind")}
@@ -347,6 +363,60 @@ class ObjectApi:
         return 200, self.update(rt, namespace, name, merged, subresource=subresource, version=version,
                                 dry_run=dry_run, managed=managed)
 
+    # --- the scale subresource --------------------------------------------------------------------
+
+    def get_scale(self, rt: ResourceType, namespace: str | None, name: str) -> Obj:
+        """autoscaling/v1 Scale, read through the CRD's scale paths (`kubectl scale`, HPAs)."""
+        assert rt.scale is not None
+        obj = self.get(rt, namespace, name)
+        meta = obj["metadata"]
+        spec_replicas = _at_path(obj, rt.scale.get("specReplicasPath", ""))
+        status_replicas = _at_path(obj, rt.scale.get("statusReplicasPath", ""))
+        status: Obj = {"replicas": status_replicas if isinstance(status_replicas, int) else 0}
+        selector = _at_path(obj, rt.scale.get("labelSelectorPath", "")) if rt.scale.get("labelSelectorPath") else None
+        if isinstance(selector, str):
+            status["selector"] = selector
+        return {"apiVersion": "autoscaling/v1", "kind": "Scale",
+                "metadata": {k: meta[k] for k in ("name", "namespace", "uid", "resourceVersion", "creationTimestamp")
+                             if k in meta},
+                "spec": {"replicas": spec_replicas if isinstance(spec_replicas, int) else 0}, "status": status}
+
+    def write_scale(self, rt: ResourceType, namespace: str | None, name: str, patch_type: str | None, raw: bytes, *,
+                    dry_run: bool = False) -> Obj:
+        """PUT (patch_type None: `raw` is a Scale) or PATCH of the scale subresource: only the
+        replica count at specReplicasPath changes."""
+        assert rt.scale is not None
+        current = self.get_scale(rt, namespace, name)
+        try:
+            body = _json_loads(raw)
+            media = (patch_type or "").split(";")[0].strip()
+            if patch_type is None:
+                scale = body
+            elif media == MERGE_PATCH:
+                scale = merge_patch(current, body)
+            elif media == JSON_PATCH:
+                scale = json_patch(current, body)
+            elif media == STRATEGIC_PATCH:
+                scale = strategic_merge_patch(current, body)
+            else:
+                raise ApiError(415, "UnsupportedMediaType", f"the media type {media!r} is not supported for scale")
+        except PatchError as exc:
+            raise ApiError(422, "Invalid", str(exc)) from exc
+        except ValueError as exc:
+            raise ApiError(400, "BadRequest", f"cannot decode the body: {exc}") from exc
+        replicas = ((scale or {}).get("spec") or {}).get("replicas")
+        if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 0:
+            raise ApiError(422, "Invalid", f"spec.replicas: Invalid value: {replicas!r}: must be a non-negative integer")
+        obj = copy.deepcopy(self.get(rt, namespace, name))
+        expected_rv = ((scale or {}).get("metadata") or {}).get("resourceVersion")
+        if expected_rv:
+            obj["metadata"]["resourceVersion"] = expected_rv
+        else:
+            obj["metadata"].pop("resourceVersion", None)
+        _set_path(obj, rt.scale.get("specReplicasPath", ".spec.replicas"), replicas)
+        self.update(rt, namespace, name, obj, version=None, dry_run=dry_run)
+        return self.get_scale(rt, namespace, name) if not dry_run else {**current, "spec": {"replicas": replicas}}
+
     # --- delete ----------------------------------------------------------------------------------
 
     def delete(self, rt: ResourceType, namespace: str | None, name: str, options: dict[str, Any] | None = None,
@@ -459,6 +529,8 @@ class ObjectApi:
             namespaced=spec.get("scope", "Namespaced") == "Namespaced",
             short_names=list(names.get("shortNames") or []), categories=list(names.get("categories") or []),
             has_status=any("status" in (v.get("subresources") or {}) for v in versions),
+            scale=next(((v.get("subresources") or {}).get("scale") for v in versions
+                        if isinstance((v.get("subresources") or {}).get("scale"), dict)), None),
         ))
         stamp = now_iso()
         accepted = {"plural": plural, "singular": names.get("singular") or kind.lower(), "kind": kind,

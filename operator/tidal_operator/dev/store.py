@@ -28,6 +28,8 @@ class ResourceType:
     short_names: list[str] = dataclasses.field(default_factory=list)
     categories: list[str] = dataclasses.field(default_factory=list)
     has_status: bool = False
+    # A CRD's scale subresource: specReplicasPath, statusReplicasPath, labelSelectorPath.
+    scale: dict[str, str] | None = None
     verbs: list[str] = dataclasses.field(
         default_factory=lambda: ["create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"]
     )
