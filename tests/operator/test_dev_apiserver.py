@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 import shutil
@@ -492,6 +493,18 @@ def test_kubectl_logs_follow(kubeconfig: Path, core: k8s.CoreV1Api, server: ApiS
     finally:
         follower.kill()
         server.server.log_dir = previous
+
+
+@needs_kubectl
+def test_kubectl_imperative_creates_send_protobuf_and_work(kubectl: Callable[..., Any], core: k8s.CoreV1Api,
+                                                           ns: str) -> None:
+    kubectl("create", "namespace", ns + "-x")
+    assert core.read_namespace(ns + "-x").status.phase == "Active"
+    kubectl("create", "secret", "generic", "key", "-n", ns, "--from-literal=api-key=s3cret", "--from-literal=b=2")
+    secret = core.read_namespaced_secret("key", ns)
+    assert base64.b64decode(secret.data["api-key"]) == b"s3cret" and secret.type == "Opaque"
+    kubectl("create", "configmap", "conf", "-n", ns, "--from-literal=a=1")
+    assert core.read_namespaced_config_map("conf", ns).data == {"a": "1"}
 
 
 @needs_kubectl

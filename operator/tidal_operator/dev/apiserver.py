@@ -22,6 +22,7 @@ from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
+from . import protobuf
 from .objects import CRD_KEY, ApiError, ObjectApi
 from .store import Obj, ResourceType, Selector, SelectorError, Store, Watcher
 
@@ -403,8 +404,12 @@ class ApiServer:
     @staticmethod
     async def _body(request: web.Request) -> Any:
         if "protobuf" in request.content_type:
-            raise ApiError(415, "UnsupportedMediaType", f"the body of the request was in an unknown format - "
-                                                        f"accepted media types include: application/json")
+            try:  # kubectl's imperative generators: create secret, configmap, namespace
+                return protobuf.decode(await request.read())
+            except protobuf.ProtobufError as exc:
+                raise ApiError(415, "UnsupportedMediaType", f"the body of the request was in an unknown format "
+                                                            f"({exc}) - accepted media types include: "
+                                                            "application/json") from exc
         try:
             return json.loads(await request.read() or b"null")
         except json.JSONDecodeError as exc:

@@ -194,6 +194,8 @@ class ObjectApi:
         """The few defaults and side effects of real controllers that clients rely on."""
         if rt.key == ("", "secrets"):
             self._fold_string_data(obj)
+            if not obj.get("type"):
+                obj["type"] = "Opaque"  # kube-apiserver's default
         elif rt.key == POD_KEY:
             spec = obj.setdefault("spec", {})
             spec.setdefault("restartPolicy", "Always")
