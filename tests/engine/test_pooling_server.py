@@ -175,3 +175,25 @@ def test_runner_and_convert_flags() -> None:
     assert resolve_runner(config(MINILM, "--runner", "generate")) == "generate"
     with pytest.raises(SystemExit):
         config(MINILM, "--runner", "generate", "--convert", "embed")
+
+
+def test_sleep_and_wake(tmp_path: Path) -> None:
+    make_bert_cross_encoder(tmp_path)
+    engine = PoolingEngine.from_model(str(tmp_path), "reranker", device="cpu", enable_sleep_mode=True)
+    body = {"text_1": "what is a tide?", "text_2": ["the sea rises", "pods run"]}
+    with TestClient(build_pooling_app(engine, ServerSettings(served_model_names=["reranker"]))) as http:
+        awake = http.post("/score", json=body).json()["data"]
+        for level in (1, 2):
+            assert http.post(f"/sleep?level={level}").json() == {"is_sleeping": True, "level": level}
+            assert http.get("/is_sleeping").json() == {"is_sleeping": True}
+            refused = http.post("/score", json=body)
+            assert refused.status_code == 503 and refused.headers["retry-after"]
+            assert f'tidal:engine_sleep_state{{model_name="reranker",sleep_state="{"weights_offloaded" if level == 1 else "discard_all"}"}} 1.0' in http.get("/metrics").text
+            assert http.post("/wake_up").json() == {"is_sleeping": False}
+            assert http.post("/score", json=body).json()["data"] == awake  # the same weights back
+        assert http.post("/sleep?level=3").status_code == 400
+
+
+def test_sleep_needs_sleep_mode(embed_http: TestClient) -> None:
+    refused = embed_http.post("/sleep")
+    assert refused.status_code == 400 and "--enable-sleep-mode" in refused.json()["error"]["message"]

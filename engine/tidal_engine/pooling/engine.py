@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +24,10 @@ from tidal_engine.pooling.params import PoolingModelInfo
 from tidal_engine.pooling.runner import PoolingInput, PoolingRunner
 
 logger = logging.getLogger(__name__)
+
+
+class EngineSleepingError(RuntimeError):
+    """A request reached a sleeping engine (the server answers 503 with Retry-After)."""
 
 
 @dataclass
@@ -52,7 +57,8 @@ def default_token_budget(device: torch.device) -> int:
 
 class PoolingEngine:
     def __init__(self, runner: PoolingRunner, tokenizer: Any, model_name: str,
-                 max_num_seqs: int = 256, max_num_batched_tokens: int | None = None) -> None:
+                 max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
+                 enable_sleep_mode: bool = False, reload: Callable[[], PoolingRunner] | None = None) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -62,6 +68,10 @@ class PoolingEngine:
         self.max_num_batched_tokens = max_num_batched_tokens or default_token_budget(runner.device)
         self.stats = PoolingStats()
         self.dead_error: BaseException | None = None
+        self.enable_sleep_mode = enable_sleep_mode
+        self.sleep_level = 0  # 0 awake; 1 weights in host memory; 2 weights discarded
+        self._reload = reload  # level 2's wake: the model again, from disk
+        self._step_lock = threading.Lock()  # held by a step; sleep and wake take it between steps
         self._waiting: deque[_Pending] = deque()
         self._wakeup = threading.Condition()
         self._stopping = False
@@ -70,14 +80,21 @@ class PoolingEngine:
     @classmethod
     def from_model(cls, model: str, model_name: str, convert: ConvertOption = "auto", dtype: str = "auto",
                    device: str = "auto", max_model_len: int | None = None, tokenizer: str | None = None,
-                   max_num_seqs: int = 256, max_num_batched_tokens: int | None = None) -> PoolingEngine:
+                   max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
+                   enable_sleep_mode: bool = False) -> PoolingEngine:
         from tidal_engine.engine.core import resolve_device
 
         target = resolve_device(device)
-        loaded = load_pooling_model(model, convert, dtype, target, max_model_len, tokenizer)
-        logger.info("pooling model %s loaded: task %s, %s pooling, %s on %s, max_model_len %d", model,
-                    loaded.info.task, loaded.info.method, loaded.dtype, target, loaded.info.max_model_len)
-        return cls(PoolingRunner(loaded, target), loaded.tokenizer, model_name, max_num_seqs, max_num_batched_tokens)
+
+        def load() -> tuple[PoolingRunner, Any]:
+            loaded = load_pooling_model(model, convert, dtype, target, max_model_len, tokenizer)
+            logger.info("pooling model %s loaded: task %s, %s pooling, %s on %s, max_model_len %d", model,
+                        loaded.info.task, loaded.info.method, loaded.dtype, target, loaded.info.max_model_len)
+            return PoolingRunner(loaded, target), loaded.tokenizer
+
+        runner, tok = load()
+        return cls(runner, tok, model_name, max_num_seqs, max_num_batched_tokens, enable_sleep_mode,
+                   reload=lambda: load()[0])
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -104,12 +121,64 @@ class PoolingEngine:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 10)
 
+    # ---------------------------------------------------------------- sleep
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.sleep_level > 0
+
+    async def sleep(self, level: int, mode: str = "wait") -> None:
+        """Free the device: level 1 keeps the weights in host memory, level 2 drops them (wake
+        reloads from disk). ``wait`` lets queued requests finish first; ``abort`` fails them."""
+        if not self.enable_sleep_mode:
+            raise ValueError("sleep mode is not enabled; start the server with --enable-sleep-mode")
+        if level not in (1, 2):
+            raise ValueError(f"level must be 1 or 2, got {level}")
+        if mode == "abort":
+            with self._wakeup:
+                for pending in self._waiting:
+                    pending.loop.call_soon_threadsafe(_fail, pending.future, RuntimeError("aborted: the engine sleeps"))
+                self._waiting.clear()
+                self.stats.num_waiting = 0
+        else:
+            while self._waiting or self.stats.num_running:
+                await asyncio.sleep(0.01)
+        await asyncio.to_thread(self._sleep_now, level)
+
+    def _sleep_now(self, level: int) -> None:
+        with self._step_lock:
+            if self.sleep_level >= level:
+                return
+            if level == 2 and self._reload is None:
+                raise ValueError("this engine cannot reload its weights: use level 1")
+            if level == 1:
+                self.runner.model.to("cpu")
+            else:
+                self.runner.model = None  # type: ignore[assignment]  # dropped: wake reloads it
+            self.sleep_level = level
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+
+    async def wake_up(self) -> None:
+        await asyncio.to_thread(self._wake_now)
+
+    def _wake_now(self) -> None:
+        with self._step_lock:
+            if self.sleep_level == 1:
+                self.runner.model.to(self.runner.device)
+            elif self.sleep_level == 2:
+                assert self._reload is not None
+                self.runner = self._reload()
+            self.sleep_level = 0
+
     # ---------------------------------------------------------------- requests
 
     async def encode(self, items: list[PoolingInput]) -> list[torch.Tensor]:
         """Pooled outputs of ``items``, in order. They join the queue together (FCFS)."""
         if self.dead_error is not None:
             raise RuntimeError(f"the pooling engine has stopped: {self.dead_error}")
+        if self.is_sleeping:
+            raise EngineSleepingError("the engine is sleeping")
         loop = asyncio.get_running_loop()
         pending = [_Pending(item, loop.create_future(), loop) for item in items]
         with self._wakeup:
@@ -154,7 +223,10 @@ class PoolingEngine:
                 self.stats.num_running = len(batch)
             started = time.perf_counter()
             try:
-                outputs = self.runner.run([p.item for p in batch])
+                with self._step_lock:
+                    if self.is_sleeping:
+                        raise EngineSleepingError("the engine fell asleep before this step")
+                    outputs = self.runner.run([p.item for p in batch])
             except Exception as exc:  # a failed step fails its requests, not the server
                 logger.exception("pooling step of %d request(s) failed", len(batch))
                 for p in batch:

@@ -20,13 +20,13 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
 from tidal_engine import __version__
-from tidal_engine.pooling.engine import PoolingEngine
+from tidal_engine.pooling.engine import EngineSleepingError, PoolingEngine
 from tidal_engine.pooling.params import PoolingParams
 from tidal_engine.pooling.runner import PoolingInput
 from tidal_engine.server.app import ServerSettings
 from tidal_engine.server.auth import APIKeyMiddleware
-from tidal_engine.server.errors import (ENGINE_UNAVAILABLE, NOT_FOUND, APIError, bad_request, error_response,
-                                        install_error_handlers, validation_error_to_api_error)
+from tidal_engine.server.errors import (ENGINE_UNAVAILABLE, NOT_FOUND, APIError, bad_request, engine_sleeping_error,
+                                        error_response, install_error_handlers, validation_error_to_api_error)
 from tidal_engine.server.metrics import METRICS_PREFIXES
 from tidal_engine.server.pooling_metrics import PoolingMetrics
 from tidal_engine.server.pooling_protocol import (MAX_INPUTS, EmbeddingData, EmbeddingRequest, EmbeddingResponse,
@@ -86,6 +86,12 @@ class PoolingServing:
             raise bad_request(f"This model's maximum context length is {self.info.max_model_len} tokens; the input "
                               f"has {count}. Shorten it or set truncate_prompt_tokens.", param)
 
+    async def _encode(self, inputs: list[PoolingInput]) -> list[torch.Tensor]:
+        try:
+            return await self.engine.encode(inputs)
+        except EngineSleepingError:
+            raise engine_sleeping_error() from None
+
     # -------------------------------------------------------------- tokenizing
 
     def _texts_to_inputs(self, texts: Sequence[str], limit: int | None, params: PoolingParams) -> list[PoolingInput]:
@@ -144,11 +150,11 @@ class PoolingServing:
                 raise bad_request(f"scoring needs a one-label cross-encoder; `{self.names[0]}` has "
                                   f"{self.info.num_labels} labels (use /pooling for class probabilities).")
             inputs = self._pair_inputs(queries, docs, limit)
-            outputs = await self.engine.encode(inputs)
+            outputs = await self._encode(inputs)
             return [float(out[0]) for out in outputs], sum(i.num_tokens for i in inputs)
         unique = list(dict.fromkeys([*queries, *docs]))
         inputs = self._texts_to_inputs(unique, limit, PoolingParams())
-        vectors = dict(zip(unique, await self.engine.encode(inputs), strict=True))
+        vectors = dict(zip(unique, await self._encode(inputs), strict=True))
         scores = [float(F.cosine_similarity(vectors[q], vectors[d], dim=0)) for q, d in zip(queries, docs, strict=True)]
         return scores, sum(i.num_tokens for i in inputs)
 
@@ -167,7 +173,7 @@ class PoolingServing:
         params = PoolingParams(dimensions=request.dimensions,
                                normalize=True if request.normalize is None else request.normalize)
         inputs = self._embedding_inputs(request, params)
-        vectors = await self.engine.encode(inputs)
+        vectors = await self._encode(inputs)
         tokens = sum(i.num_tokens for i in inputs)
         return EmbeddingResponse(
             model=request.model or self.names[0],
@@ -181,7 +187,7 @@ class PoolingServing:
         params = PoolingParams(dimensions=request.dimensions,
                                normalize=True if request.normalize is None else request.normalize)
         inputs = self._embedding_inputs(request, params)
-        outputs = await self.engine.encode(inputs)
+        outputs = await self._encode(inputs)
         tokens = sum(i.num_tokens for i in inputs)
         return PoolingResponse(
             model=request.model or self.names[0],
@@ -281,6 +287,25 @@ def build_pooling_app(engine: PoolingEngine, settings: ServerSettings) -> FastAP
     async def rerank(request: Request) -> JSONResponse:
         return JSONResponse((await serving.rerank(await read_json_body(request, limit))).model_dump(exclude_none=True))
 
+    @app.post("/sleep")
+    async def sleep(level: int = 1, mode: str = "wait") -> JSONResponse:
+        if mode not in ("wait", "abort"):
+            raise bad_request(f"mode must be wait or abort, got {mode!r}", "mode")
+        try:
+            await engine.sleep(level, mode)
+        except ValueError as exc:
+            raise bad_request(str(exc)) from None
+        return JSONResponse({"is_sleeping": engine.is_sleeping, "level": engine.sleep_level})
+
+    @app.post("/wake_up")
+    async def wake_up() -> JSONResponse:
+        await engine.wake_up()
+        return JSONResponse({"is_sleeping": engine.is_sleeping})
+
+    @app.get("/is_sleeping")
+    async def is_sleeping() -> JSONResponse:
+        return JSONResponse({"is_sleeping": engine.is_sleeping})
+
     async def not_generative(_: Request) -> Response:
         raise bad_request(f"`{names[0]}` is a pooling model ({engine.info.task}); it does not generate text. "
                           "Use /v1/embeddings, /pooling, /score or /rerank.")
@@ -298,6 +323,6 @@ def serve_pooling(config: Any, settings: ServerSettings) -> int:
     engine = PoolingEngine.from_model(
         config.model, names[0], convert=config.convert, dtype=config.dtype, device=config.device,
         max_model_len=config.max_model_len, tokenizer=config.tokenizer, max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_num_batched_tokens=config.max_num_batched_tokens, enable_sleep_mode=config.enable_sleep_mode,
     )
     return run_server(engine, settings, app=build_pooling_app(engine, settings))  # type: ignore[arg-type]

@@ -11,7 +11,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from tidal_engine.pooling.engine import PoolingEngine
-from tidal_engine.server.metrics import CONTENT_TYPE, PREFIX
+from tidal_engine.server.metrics import CONTENT_TYPE, PREFIX, SLEEP_STATES
 
 
 class _PoolingCollector(Collector):
@@ -29,6 +29,11 @@ class _PoolingCollector(Collector):
             gauge = GaugeMetricFamily(self.prefix + name, doc, labels=["model_name"])
             gauge.add_metric([self.model_name], float(value))
             yield gauge
+        sleep = GaugeMetricFamily(self.prefix + "engine_sleep_state", "1 for the engine's current sleep state, 0 for the others.",
+                                  labels=["model_name", "sleep_state"])
+        for level, state in SLEEP_STATES.items():
+            sleep.add_metric([self.model_name, state], 1.0 if self.engine.sleep_level == level else 0.0)
+        yield sleep
         for name, doc, value in (
             ("pooling_requests", "Pooling inputs (texts or pairs) processed.", stats.requests_total),
             ("prompt_tokens", "Prompt tokens processed.", stats.prompt_tokens_total),
