@@ -30,8 +30,8 @@ log = logging.getLogger("tidal.router")
 
 API_KEY_ENV = "TIDAL_ROUTER_API_KEY"
 # Routed by the body's `model`; the pooling paths reach LLMServices with task embed or score.
-OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/pooling", "/score", "/v1/score",
-                "/rerank", "/v1/rerank", "/v2/rerank")
+OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings", "/pooling", "/score",
+                "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank")
 OPEN_PATHS = frozenset({"/health", "/ready"})  # probes come without credentials
 
 
