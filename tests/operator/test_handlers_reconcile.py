@@ -385,3 +385,25 @@ def test_peering_gate_yields_to_a_live_higher_priority_peer() -> None:
         assert asyncio.run(gate.active()) is active, status
     settings.peering.standalone = True
     assert asyncio.run(PeeringGate(FakeKube({"x": {"priority": 99, "lastseen": now}}), settings, "me").active())  # type: ignore[arg-type]
+
+
+async def test_a_later_claim_on_a_served_name_is_a_conflict_with_an_event(kube: Kube) -> None:
+    # Served names are global to the router: team-b's later "shared" must not shadow default's.
+    await create(kube, body("a", model={"uri": "bundled://smollm2-135m", "servedName": "shared"}))
+    later = body("b", model={"uri": "bundled://smollm2-135m", "servedName": "shared"})
+    later["metadata"]["namespace"] = "team-b"
+    await kube.request("POST", f"/apis/{L.GROUP}/{L.VERSION}/namespaces/team-b/{L.PLURAL}", body=later)
+
+    first = await run(kube, "a")
+    assert first is not None and first.valid
+    outcome = await H.reconcile(kube, CONFIG, "team-b", "b")
+    assert outcome is not None and not outcome.valid
+    assert await kube.list_pods("team-b", L.selector_string("b")) == []
+    status = (await kube.get_llmservice("team-b", "b"))["status"]
+    ready = next(c for c in status["conditions"] if c["type"] == "Ready")
+    assert ready["status"] == "False" and ready["reason"] == "ServedNameConflict"
+    assert "already served by LLMService default/a" in ready["message"]
+    listing = await kube.request("GET", "/api/v1/namespaces/team-b/events")
+    assert [e["reason"] for e in listing["items"] if e["type"] == "Warning"] == ["ServedNameConflict"]
+    # The first claimant is untouched by the second.
+    assert (await run(kube, "a")).valid  # type: ignore[union-attr]

@@ -57,7 +57,7 @@ async def test_watcher_fills_the_registry_and_follows_changes(api_client: Any) -
     await core.create_namespaced_secret("default", {"metadata": {"name": "m-key"},
                                                     "data": {"api-key": base64.b64encode(b"engine-key").decode()}})
     body = llmservice("m", served_name="smol", adapters=("sql",), secret="m-key")
-    await custom.create_namespaced_custom_object(L.GROUP, L.VERSION, "default", L.PLURAL, body)
+    created = await custom.create_namespaced_custom_object(L.GROUP, L.VERSION, "default", L.PLURAL, body)
     registry = Registry()
     watcher = KubernetesWatcher(registry, api_client, watch_timeout_s=5)
     await watcher.start()
@@ -68,8 +68,14 @@ async def test_watcher_fills_the_registry_and_follows_changes(api_client: Any) -
         assert registry.engine_api_key(entry) == "engine-key"
         assert registry.lookup("sql").llmservice == "m"
 
-        await _create_pod(core, pod("m-0", "m", 8123, ip="127.0.0.9"))
+        # A Pod with the label but not controlled by the LLMService is not one of its replicas.
+        await _create_pod(core, pod("stray", "m", 8123, ip="127.0.0.8"))
+        replica = pod("m-0", "m", 8123, ip="127.0.0.9")
+        replica["metadata"]["ownerReferences"] = [{"apiVersion": L.API_VERSION, "kind": L.KIND, "name": "m",
+                                                   "uid": created["metadata"]["uid"], "controller": True}]
+        await _create_pod(core, replica)
         await wait_until(lambda: bool(registry.lookup("smol").routable()))
+        assert [r.pod_name for r in registry.lookup("smol").replicas] == ["m-0"]
         assert registry.lookup("smol").routable()[0].url == "http://127.0.0.9:8123"
 
         await core.patch_namespaced_pod("m-0", "default", {"metadata": {"labels": {L.SLEEP_STATE: L.SLEEP_LEVEL_1}}},
@@ -78,6 +84,7 @@ async def test_watcher_fills_the_registry_and_follows_changes(api_client: Any) -
 
         await core.delete_namespaced_pod("m-0", "default", grace_period_seconds=0)
         await wait_until(lambda: not registry.lookup("smol").replicas)
+        await core.delete_namespaced_pod("stray", "default", grace_period_seconds=0)
         await custom.delete_namespaced_custom_object(L.GROUP, L.VERSION, "default", L.PLURAL, "m")
         await wait_until(lambda: registry.lookup("smol") is None)
     finally:

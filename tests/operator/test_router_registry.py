@@ -161,3 +161,31 @@ async def test_registry_notifies_waiters_and_keeps_engine_keys_out_of_state() ->
     registry.set_secret(entry.api_key_secret, "engine-key")
     assert registry.engine_api_key(entry) == "engine-key"
     assert "engine-key" not in repr(registry.state)
+
+
+def test_a_name_two_llmservices_claim_goes_to_the_first_and_only_to_pods_it_owns() -> None:
+    def owned(obj: dict, uid: str, created: str) -> dict:
+        obj["metadata"].update(uid=uid, creationTimestamp=created)
+        return obj
+
+    def controlled_by(p: dict, uid: str | None) -> dict:
+        if uid:
+            p["metadata"]["ownerReferences"] = [{"kind": L.KIND, "name": "x", "uid": uid, "controller": True}]
+        return p
+
+    first = owned(llmservice("a", served_name="shared", namespace="team-b"), "uid-a", "2026-01-01T00:00:00Z")
+    later = owned(llmservice("b", served_name="shared", namespace="team-a"), "uid-b", "2026-02-01T00:00:00Z")
+    state = _state(("llm", "ADDED", later), ("llm", "ADDED", first),
+                   ("pod", "ADDED", controlled_by(pod("a-0", "a", 8000, namespace="team-b"), "uid-a")),
+                   # labelled like a replica of "a", but not controlled by it: no traffic, no key
+                   ("pod", "ADDED", controlled_by(pod("impostor", "a", 8000, namespace="team-b"), None)),
+                   ("pod", "ADDED", controlled_by(pod("b-0", "b", 8000, namespace="team-a"), "uid-b")))
+    entry = state.lookup("shared")
+    assert (entry.namespace, entry.llmservice) == ("team-b", "a")  # created first, though sorted later
+    assert [r.pod_name for r in entry.replicas] == ["a-0"]
+
+    from tidal_operator.router import models_payload
+
+    registry = Registry(state)
+    listed = [(m["id"], m["tidal"]["namespace"]) for m in models_payload(registry)["data"]]
+    assert listed == [("shared", "team-b")]

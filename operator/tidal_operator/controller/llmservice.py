@@ -20,6 +20,7 @@ from ..kube import MANAGER_RECONCILER, ApiError, Kube
 from ..reconcile.manifests import (CONTAINER_NAME, disruption_budget_manifest, metadata_drift, owner_reference,
                                    pod_manifest, service_manifest, spec_hash)
 from ..reconcile.pods import PodView, plan_pods
+from ..reconcile.served_names import SERVED_NAME_CONFLICT, served_name_conflicts
 from ..reconcile.status import CONDITION_TYPES, compute_status, desired_replicas
 from ..secret_refs import referenced_secrets
 from .ownership import adoption_patch, controller_ref, owned_by, replica_index
@@ -105,6 +106,9 @@ async def reconcile(kube: Kube, config: OperatorConfig, namespace: str, name: st
     existing = {s: await kube.secret_exists(namespace, s) for s in referenced_secrets(raw_spec)}
     problems = validate_spec(raw_spec, name=name, namespace=namespace,
                              secret_lookup=lambda secret: existing.get(secret, True), config=config)
+    # A model name an earlier LLMService serves (any namespace the operator sees) is not ours.
+    others = [o for o in await kube.list_llmservices(config.namespace) if o["metadata"].get("uid") != uid]
+    problems += served_name_conflicts(llm, others)
     pods = await owned_pods(kube, namespace, uid)
     if problems:
         await write_invalid_status(kube, config, llm, pods, problems, generation, now)
@@ -225,7 +229,8 @@ async def write_invalid_status(kube: Kube, config: OperatorConfig, llm: Obj, pod
         await kube.apply_llmservice_status(meta["namespace"], meta["name"], applied, manager=MANAGER_RECONCILER)
     before, after = condition(old_status, "Validated"), condition(status, "Validated")
     if before.get("status") != "False" or before.get("message") != after.get("message"):
-        await kube.post_event(llm, type_="Warning", reason="InvalidSpec", message=str(after.get("message")))
+        reason = SERVED_NAME_CONFLICT if after.get("reason") == SERVED_NAME_CONFLICT else "InvalidSpec"
+        await kube.post_event(llm, type_="Warning", reason=reason, message=str(after.get("message")))
 
 
 async def ensure_disruption_budget(kube: Kube, config: OperatorConfig, llm: Obj) -> None:

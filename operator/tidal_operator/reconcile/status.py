@@ -166,7 +166,8 @@ def compute_status(
                    selector=L.selector_string(name))
         out["conditions"] = [
             cond("Validated", False, reason, message),
-            cond("Ready", False, "InvalidSpec", "fix the spec: " + message),
+            # A served-name conflict keeps its own reason (the router answers it with a 503 at once).
+            cond("Ready", False, reason if reason == "ServedNameConflict" else "InvalidSpec", "fix the spec: " + message),
             cond("Progressing", False, "InvalidSpec", "nothing is reconciled until the spec is valid"),
             cond("Degraded", False, "InvalidSpec", "no Pods are managed while the spec is invalid"),
         ]

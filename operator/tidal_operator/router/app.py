@@ -82,16 +82,23 @@ class ApiKeyMiddleware:
 def models_payload(registry: Registry) -> dict[str, Any]:
     """GET /v1/models in OpenAI form; adapters name their base model in `parent`."""
     data: list[dict[str, Any]] = []
+
+    def owns(entry: Any, name: str) -> bool:  # a name two LLMServices claim is listed once, for its owner
+        found = registry.lookup(name)
+        return found is not None and (found.namespace, found.llmservice) == (entry.namespace, entry.llmservice)
+
     for entry in registry.state.entries():
         ready = sum(1 for r in entry.replicas if r.ready and not r.deleting)
         awake = sum(1 for r in entry.replicas if r.routable)
         base = {"object": "model", "created": 0, "owned_by": "tidal", "root": entry.served_name,
                 "tidal": {"llmservice": entry.llmservice, "namespace": entry.namespace,
                           "replicas": len(entry.replicas), "ready": ready, "awake": awake}}
-        data.append({"id": entry.served_name, "parent": None, **base})
+        if owns(entry, entry.served_name):
+            data.append({"id": entry.served_name, "parent": None, **base})
         failed = dict(entry.failed_adapters)
         for adapter in sorted(entry.adapters - failed.keys()):  # a failed adapter is not served
-            data.append({"id": adapter, "parent": entry.served_name, **base})
+            if owns(entry, adapter):
+                data.append({"id": adapter, "parent": entry.served_name, **base})
     return {"object": "list", "data": data}
 
 

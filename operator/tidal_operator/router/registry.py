@@ -51,6 +51,7 @@ class Replica:
     # what it loaded, so it is assumed to serve every adapter its LLMService lists.
     adapters_announced: bool = False
     resource_version: str = ""
+    owner_uid: str | None = None  # the uid of the LLMService that controls the Pod (ownerReferences)
 
     @property
     def key(self) -> Key:
@@ -86,6 +87,8 @@ class ServiceView:
     not_servable: str | None = None
     # Adapters whose load failed on every replica: (name, first error) pairs.
     failed_adapters: tuple[tuple[str, str], ...] = ()
+    uid: str | None = None  # traffic and the engine key go only to Pods this uid controls
+    created: str = ""  # creationTimestamp: the earliest claim on a name keeps it
 
     @property
     def key(self) -> Key:
@@ -152,9 +155,11 @@ class RegistryState:
 
     # --- queries ---------------------------------------------------------------------
 
-    def replicas_of(self, namespace: str, llmservice: str) -> tuple[Replica, ...]:
+    def replicas_of(self, namespace: str, llmservice: str, uid: str | None = None) -> tuple[Replica, ...]:
+        """The LLMService's Pods: its label, and (when its uid is known) controlled by it, so a
+        Pod anyone labelled gets neither requests nor the engine key."""
         found = (self._effective(r) for r in self.pods.values()
-                 if r.namespace == namespace and r.llmservice == llmservice)
+                 if r.namespace == namespace and r.llmservice == llmservice and (uid is None or r.owner_uid == uid))
         return tuple(sorted(found, key=lambda r: r.pod_name))
 
     def _effective(self, replica: Replica) -> Replica:
@@ -164,9 +169,10 @@ class RegistryState:
         return replica
 
     def lookup(self, model: str) -> ModelEntry | None:
-        """Resolve a request's `model`: a served name first, then an adapter name. Ties
-        (two LLMServices claiming one name) resolve deterministically by namespace/name."""
-        services = sorted(self.services.values(), key=lambda s: s.key)
+        """Resolve a request's `model`: a served name first, then an adapter name. Two
+        LLMServices claiming one name: the earliest created keeps it (the operator marks the
+        later one ServedNameConflict), ties by namespace/name."""
+        services = sorted(self.services.values(), key=lambda s: (s.created, s.key))
         for svc in services:
             if svc.served_name == model:
                 return self._entry(svc, None)
@@ -178,7 +184,8 @@ class RegistryState:
     def _entry(self, svc: ServiceView, adapter: str | None) -> ModelEntry:
         return ModelEntry(llmservice=svc.name, namespace=svc.namespace, served_name=svc.served_name,
                           adapters=svc.adapters, routing_strategy=svc.routing_strategy,
-                          api_key_secret=svc.api_key_secret, replicas=self.replicas_of(svc.namespace, svc.name),
+                          api_key_secret=svc.api_key_secret,
+                          replicas=self.replicas_of(svc.namespace, svc.name, svc.uid),
                           adapter=adapter, not_servable=svc.not_servable, failed_adapters=svc.failed_adapters)
 
     def model_names(self) -> list[str]:
@@ -243,7 +250,8 @@ def service_from_object(obj: Mapping[str, Any]) -> ServiceView:
     status = obj.get("status") or {}
     return ServiceView(name=name, namespace=namespace, served_name=model.get("servedName") or name,
                        adapters=adapters, routing_strategy=strategy, api_key_secret=secret,
-                       not_servable=_not_servable(meta, status), failed_adapters=_failed_adapters(status))
+                       not_servable=_not_servable(meta, status), failed_adapters=_failed_adapters(status),
+                       uid=meta.get("uid") or None, created=str(meta.get("creationTimestamp") or ""))
 
 
 def parse_adapters_annotation(value: str | None) -> frozenset[str] | None:
@@ -286,10 +294,13 @@ def replica_from_pod(pod: Mapping[str, Any]) -> Replica | None:
     sleep_state = labels.get(L.SLEEP_STATE, L.SLEEP_AWAKE)
     if sleep_state not in L.SLEEP_STATES:
         sleep_state = L.SLEEP_AWAKE
+    owner = next((o.get("uid") for o in meta.get("ownerReferences") or []
+                  if o.get("controller") and o.get("kind") == L.KIND), None)
     return Replica(pod_name=meta["name"], namespace=meta.get("namespace") or "default", llmservice=llm,
                    url=f"http://{ip}:{_pod_port(pod)}" if ip else None, ready=ready, sleep_state=sleep_state,
                    adapters=adapters or frozenset(), deleting=bool(meta.get("deletionTimestamp")),
-                   adapters_announced=adapters is not None, resource_version=str(meta.get("resourceVersion") or ""))
+                   adapters_announced=adapters is not None, resource_version=str(meta.get("resourceVersion") or ""),
+                   owner_uid=owner)
 
 
 def _obj_key(obj: Mapping[str, Any]) -> Key:
