@@ -386,6 +386,8 @@ class Registry:
         self._changed = asyncio.Event()
         self.version = 0
         self._secrets: dict[SecretRef, str] = {}
+        # Reads one engine-key Secret (set by KubernetesWatcher); None: keys are only set by hand.
+        self.secret_reader: SecretReader | None = None
 
     @property
     def state(self) -> RegistryState:
@@ -430,6 +432,17 @@ class Registry:
             return None
         return self._secrets.get(entry.api_key_secret)
 
+    async def reread_engine_key(self, entry: ModelEntry) -> bool:
+        """Read the entry's engine-key Secret again (an engine refused our key: it may have been
+        rotated). True when a different key was found."""
+        ref = entry.api_key_secret
+        if ref is None or self.secret_reader is None:
+            return False
+        before = self._secrets.get(ref)
+        value = await self.secret_reader(ref)
+        self.set_secret(ref, value)
+        return value is not None and value != before
+
 
 # --- feeding it from Kubernetes -----------------------------------------------------------
 
@@ -454,7 +467,7 @@ class KubernetesWatcher:
     """
 
     def __init__(self, registry: Registry, api_client: Any, *, namespace: str | None = None,
-                 watch_timeout_s: int = 300, max_backoff_s: float = 30.0) -> None:
+                 watch_timeout_s: int = 300, max_backoff_s: float = 30.0, key_refresh_s: float = 30.0) -> None:
         from kubernetes_asyncio import client as k8s
 
         self.registry = registry
@@ -467,10 +480,21 @@ class KubernetesWatcher:
         self.synced = asyncio.Event()  # both lists done at least once
         self._synced_kinds: set[str] = set()
         self._tasks: list[asyncio.Task[None]] = []
+        self.key_refresh_s = key_refresh_s
+        registry.secret_reader = self._read_secret
 
     async def start(self) -> None:
         self._tasks = [asyncio.create_task(self._run("llmservices"), name="router-watch-llmservices"),
-                       asyncio.create_task(self._run("pods"), name="router-watch-pods")]
+                       asyncio.create_task(self._run("pods"), name="router-watch-pods"),
+                       asyncio.create_task(self._refresh_keys(), name="router-engine-keys")]
+
+    async def _refresh_keys(self) -> None:
+        """Re-read every engine key now and then: a rotated key is picked up within
+        key_refresh_s even with no traffic (with traffic, the engine's 401 triggers a re-read)."""
+        while True:
+            await asyncio.sleep(self.key_refresh_s)
+            for svc in list(self.registry.state.services.values()):
+                await self._refresh_secret(svc)
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -550,14 +574,13 @@ class KubernetesWatcher:
             self.registry.apply_pod_event(event)
 
     async def _refresh_secret(self, svc: ServiceView) -> None:
-        ref = svc.api_key_secret
-        if ref is None:
-            return
+        if svc.api_key_secret is not None:
+            self.registry.set_secret(svc.api_key_secret, await self._read_secret(svc.api_key_secret))
+
+    async def _read_secret(self, ref: SecretRef) -> str | None:
         try:
             secret = self._to_dict(await self._core.read_namespaced_secret(ref.name, ref.namespace))
-            value = decode_secret_value(secret, ref.key)
+            return decode_secret_value(secret, ref.key)
         except Exception as exc:  # a missing Secret: the engine rejects us, clients see that
-            log.warning("cannot read API key Secret %s/%s for LLMService %s: %s",
-                        ref.namespace, ref.name, svc.name, type(exc).__name__)
-            value = None
-        self.registry.set_secret(ref, value)
+            log.warning("cannot read API key Secret %s/%s: %s", ref.namespace, ref.name, type(exc).__name__)
+            return None
