@@ -45,6 +45,9 @@ class EngineConfig:
     # Where the workers run: "uni" (in the engine-core process), "mp" (a process per rank), or
     # "package.module:Class" for an Executor subclass (as vLLM allows).
     distributed_executor_backend: str = "uni"
+    # No tokenizer at all (vLLM's skip_tokenizer_init): prompts are token ids, outputs have ids and
+    # no text; stop strings and structured outputs, which need the vocabulary, are refused.
+    skip_tokenizer_init: bool = False
     # vLLM's --runner and --convert: "pooling" serves embeddings, scores and reranking
     # (tidal_engine.pooling) instead of generating; "auto" picks it for encoder and
     # sequence-classification checkpoints. convert (pooling only): auto | embed | classify.

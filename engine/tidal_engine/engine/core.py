@@ -119,7 +119,8 @@ class EngineCore:
         arch = self.source.arch_config
         self.vocab_size = arch.vocab_size
         self.dtype = resolve_dtype(arch.torch_dtype, config.dtype, self.device)
-        self.tokenizer = load_tokenizer(config.model, config.tokenizer)  # grammars need it; text is the caller's
+        # Grammars need the tokenizer; text is the caller's.
+        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.model, config.tokenizer)
         self.model_name = config.served_model_name or config.model
         self.max_model_len = config.max_model_len or arch.max_position_embeddings
         if self.max_model_len > arch.max_position_embeddings:
@@ -240,6 +241,8 @@ class EngineCore:
 
     def _compile_grammar(self, params: SamplingParams) -> object:
         assert params.structured_outputs is not None
+        if self.tokenizer is None:
+            raise ValueError("structured outputs need the tokenizer (the engine runs with skip_tokenizer_init)")
         if self._grammars is None:
             # The logits (and so the bitmask) span the model's vocabulary, which may exceed the tokenizer's.
             self._grammars = GrammarCompilerCache(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))

@@ -68,6 +68,8 @@ class LLMEngine:
         lora_name: str | None = None,
     ) -> None:
         params = params or SamplingParams()
+        if self.tokenizer is None:
+            check_without_tokenizer(prompt, params)
         prompt_text, token_ids = tokenize(self.tokenizer, prompt)
         self.core.add_request(request_id, token_ids, params, cache_salt=cache_salt,
                               arrival_time=arrival_time, lora_name=lora_name)
@@ -125,6 +127,14 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.core.shutdown()
+
+
+def check_without_tokenizer(prompt: str | list[int], params: SamplingParams) -> None:
+    """skip_tokenizer_init: only what works on token ids."""
+    if isinstance(prompt, str):
+        raise ValueError("the engine runs with skip_tokenizer_init: give prompts as token ids")
+    if params.stop:
+        raise ValueError("stop strings need the tokenizer (skip_tokenizer_init); use stop_token_ids")
 
 
 def tokenize(tokenizer: Any, prompt: str | list[int]) -> tuple[str | None, list[int]]:

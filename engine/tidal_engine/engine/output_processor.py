@@ -23,7 +23,7 @@ from tidal_engine.sampling_params import SamplingParams
 @dataclass
 class SampleState:
     index: int
-    detokenizer: IncrementalDetokenizer
+    detokenizer: "IncrementalDetokenizer | NoDetokenizer"
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[PositionLogprobs] | None = None
     cumulative_logprob: float = 0.0
@@ -47,6 +47,16 @@ class RequestState:
         return all(s.finish_reason is not None for s in self.samples)
 
 
+class NoDetokenizer:
+    """skip_tokenizer_init: token ids only, no text and so no stop strings."""
+
+    def add_token(self, token_id: int, stop_terminated: bool = False) -> None:
+        return None
+
+    def safe_text(self, finished: bool) -> str:
+        return ""
+
+
 class OutputProcessor:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
@@ -62,7 +72,8 @@ class OutputProcessor:
             prompt_token_ids=prompt_token_ids,
             params=params,
             samples=[
-                SampleState(i, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params),
+                SampleState(i, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
+                            if self.tokenizer is not None else NoDetokenizer(),
                             logprobs=[] if params.logprobs is not None else None)
                 for i in range(params.n)
             ],
@@ -131,12 +142,15 @@ class OutputProcessor:
     def _position(self, token_id: int, entry: Any) -> PositionLogprobs:
         # Sampled token first, then the top alternatives, as vLLM orders them.
         position: PositionLogprobs = {
-            token_id: Logprob(entry.sampled_logprob, entry.rank, decode_token(self.tokenizer, token_id))
+            token_id: Logprob(entry.sampled_logprob, entry.rank, self._decode(token_id))
         }
         for rank, (tid, value) in enumerate(zip(entry.top_ids, entry.top_logprobs), start=1):
             if tid not in position:
-                position[tid] = Logprob(value, rank, decode_token(self.tokenizer, tid))
+                position[tid] = Logprob(value, rank, self._decode(tid))
         return position
+
+    def _decode(self, token_id: int) -> str | None:
+        return decode_token(self.tokenizer, token_id) if self.tokenizer is not None else None
 
     @staticmethod
     def output(state: RequestState) -> RequestOutput:
