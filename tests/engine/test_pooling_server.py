@@ -197,3 +197,12 @@ def test_sleep_and_wake(tmp_path: Path) -> None:
 def test_sleep_needs_sleep_mode(embed_http: TestClient) -> None:
     refused = embed_http.post("/sleep")
     assert refused.status_code == 400 and "--enable-sleep-mode" in refused.json()["error"]["message"]
+
+
+def test_lora_is_refused_on_a_pooling_model() -> None:
+    from tidal_engine.config import EngineConfig
+    from tidal_engine.server.pooling import serve_pooling
+
+    config = EngineConfig(model=MINILM, runner="pooling", enable_lora=True)
+    with pytest.raises(ValueError, match="--enable-lora needs --runner generate"):
+        serve_pooling(config, ServerSettings())

@@ -320,6 +320,8 @@ def serve_pooling(config: Any, settings: ServerSettings) -> int:
     from tidal_engine.server.app import run_server
 
     names = settings.served_model_names or [config.served_model_name or config.model]
+    if config.enable_lora:
+        raise ValueError("--enable-lora needs --runner generate: pooling models take no adapters")
     engine = PoolingEngine.from_model(
         config.model, names[0], convert=config.convert, dtype=config.dtype, device=config.device,
         max_model_len=config.max_model_len, tokenizer=config.tokenizer, max_num_seqs=config.max_num_seqs,
