@@ -6,7 +6,6 @@ import argparse
 import asyncio
 import base64
 import contextlib
-import hmac
 import logging
 import os
 import socket
@@ -14,15 +13,15 @@ from typing import Any, AsyncIterator, Callable, Iterable, Sequence
 
 import httpx
 import uvicorn
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
 
+from tidal_operator.router.auth import ApiKeyMiddleware, ApiKeys, allowed_namespaces, refresh_tenant_keys
 from tidal_operator.router.demand_lease import DemandLeasePublisher
 from tidal_operator.router.engine_load import EngineLoadPoller
 from tidal_operator.router.metrics import RouterMetrics
-from tidal_operator.router.proxy import AUTHENTICATION, Proxy, RouterConfig, error_body, send_json
+from tidal_operator.router.proxy import Proxy, RouterConfig
 from tidal_operator.router.registry import KubernetesWatcher, Registry
 from tidal_operator.router.waker import DemandBook, WakeLease, Waker
 
@@ -33,54 +32,12 @@ API_KEY_ENV = "TIDAL_ROUTER_API_KEY"
 OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings", "/pooling", "/score",
                 "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank")
 OPEN_PATHS = frozenset({"/health", "/ready"})  # probes come without credentials
+TENANT_PATHS = frozenset({*OPENAI_PATHS, "/v1/models"})  # what a namespace-scoped key may call
 
 
-class ApiKeys:
-    """The client-facing keys. Mutable so a router-wide Secret can rotate them live."""
-
-    def __init__(self, keys: Iterable[str] = (), *, allow_empty: bool = False) -> None:
-        self.allow_empty = allow_empty  # no keys configured: open (dev) or closed (keys pending)
-        self.set(keys)
-
-    def set(self, keys: Iterable[str]) -> None:
-        self._expected = tuple(f"Bearer {k}".encode() for k in keys if k)
-
-    def __bool__(self) -> bool:
-        return bool(self._expected)
-
-    def accepts(self, authorization: bytes) -> bool:
-        if not self._expected:
-            return self.allow_empty
-        # Compare against every key, without stopping early: the time taken reveals nothing.
-        ok = False
-        for expected in self._expected:
-            ok |= hmac.compare_digest(authorization, expected)
-        return ok
-
-
-class ApiKeyMiddleware:
-    """Bearer auth before routing, so unknown paths without a key get 401 too."""
-
-    def __init__(self, app: ASGIApp, keys: ApiKeys, open_paths: frozenset[str]) -> None:
-        self.app = app
-        self.keys = keys
-        self.open_paths = open_paths
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in self.open_paths or scope["method"] == "OPTIONS":
-            await self.app(scope, receive, send)
-            return
-        provided = next((v for k, v in scope.get("headers", []) if k == b"authorization"), b"")
-        if self.keys.accepts(provided):
-            await self.app(scope, receive, send)
-            return
-        message = "Missing API key" if not provided else "Invalid API key"
-        await send_json(send, 401, error_body(401, f"{message}: send 'Authorization: Bearer <key>'.", AUTHENTICATION,
-                                              code="invalid_api_key"), {"WWW-Authenticate": "Bearer"})
-
-
-def models_payload(registry: Registry) -> dict[str, Any]:
-    """GET /v1/models in OpenAI form; adapters name their base model in `parent`."""
+def models_payload(registry: Registry, namespaces: frozenset[str] | None = None) -> dict[str, Any]:
+    """GET /v1/models in OpenAI form; adapters name their base model in `parent`. `namespaces`:
+    only those (a namespace-scoped key sees its own models only)."""
     data: list[dict[str, Any]] = []
 
     def owns(entry: Any, name: str) -> bool:  # a name two LLMServices claim is listed once, for its owner
@@ -88,6 +45,8 @@ def models_payload(registry: Registry) -> dict[str, Any]:
         return found is not None and (found.namespace, found.llmservice) == (entry.namespace, entry.llmservice)
 
     for entry in registry.state.entries():
+        if namespaces is not None and entry.namespace not in namespaces:
+            continue
         ready = sum(1 for r in entry.replicas if r.ready and not r.deleting)
         awake = sum(1 for r in entry.replicas if r.routable)
         base = {"object": "model", "created": 0, "owned_by": "tidal", "root": entry.served_name,
@@ -164,8 +123,8 @@ def create_app(registry: Registry, config: RouterConfig, http_client: httpx.Asyn
         return JSONResponse({"status": "ready"})
 
     @app.get("/v1/models")
-    async def list_models() -> JSONResponse:
-        return JSONResponse(models_payload(registry))
+    async def list_models(request: Request) -> JSONResponse:
+        return JSONResponse(models_payload(registry, allowed_namespaces(request.scope)))
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
@@ -193,7 +152,7 @@ def create_app(registry: Registry, config: RouterConfig, http_client: httpx.Asyn
         app.router.routes.append(Route(path, endpoint=proxy.endpoint(path), methods=["POST"]))
 
     open_paths = OPEN_PATHS if config.protect_metrics else OPEN_PATHS | {"/metrics", "/debug/demand"}
-    app.add_middleware(ApiKeyMiddleware, keys=keys, open_paths=open_paths)
+    app.add_middleware(ApiKeyMiddleware, keys=keys, open_paths=open_paths, tenant_paths=TENANT_PATHS)
     return app
 
 
@@ -267,6 +226,8 @@ async def run_router(*, kubeconfig: str | None = None, in_cluster: bool = False,
     if api_keys_secret:
         tasks.append(asyncio.create_task(_refresh_router_keys(api_client, api_keys_secret, keys,
                                                               config.api_keys, 30.0)))
+    # Namespace-scoped client keys: `tidal-client-keys` in each namespace with an LLMService.
+    tasks.append(asyncio.create_task(refresh_tenant_keys(api_client, registry, keys, 10.0)))
     lease = KubernetesWakeLease(api_client) if wake_lease == "kubernetes" else None
     watcher = KubernetesWatcher(registry, api_client, namespace=namespace)
     await watcher.start()

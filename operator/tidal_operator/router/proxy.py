@@ -141,10 +141,12 @@ class Proxy:
         return ProxyEndpoint(self, path)
 
     # --- holding ------------------------------------------------------------------------
-    async def wait_routable(self, model: str, deadline: float) -> ModelEntry:
+    async def wait_routable(self, model: str, deadline: float,
+                            namespaces: frozenset[str] | None = None) -> ModelEntry:
         """The model's entry once it has a routable replica, holding the request (and waking a
-        sleeper, and recording demand) while it has none."""
-        entry = self._lookup(model)
+        sleeper, and recording demand) while it has none. `namespaces`: the models the
+        client's key opens (None: all)."""
+        entry = self._lookup(model, namespaces)
         if entry.routable():
             return entry
         self._fail_fast(entry)
@@ -160,7 +162,7 @@ class Proxy:
         try:
             while True:
                 version = self.registry.version
-                entry = self._lookup(model)
+                entry = self._lookup(model, namespaces)
                 if entry.routable():
                     return entry
                 self._fail_fast(entry)
@@ -199,17 +201,24 @@ class Proxy:
             raise Reject(503, f"Model '{entry.model_name}' is unavailable: {why}", UNAVAILABLE,
                          code="model_not_servable", reason="not_servable")
 
-    def _lookup(self, model: str) -> ModelEntry:
+    def _lookup(self, model: str, namespaces: frozenset[str] | None = None) -> ModelEntry:
         entry = self.registry.lookup(model)
+        if entry is not None and namespaces is not None and entry.namespace not in namespaces:
+            entry = None  # another tenant's model: as if it did not exist
         if entry is None:
             if not self.synced():
                 raise Reject(503, f"The router is still loading its model list; retry (model '{model}').",
                              UNAVAILABLE, retry_after=1, reason="loading")
-            available = self.registry.state.model_names()
+            available = [m for m in self.registry.state.model_names()
+                         if namespaces is None or self._namespace_of(m) in namespaces]
             raise Reject(404, f"The model '{model}' does not exist. Available models: "
                               f"{', '.join(available) if available else '(none)'}.", NOT_FOUND,
                          code="model_not_found", param="model")
         return entry
+
+    def _namespace_of(self, model: str) -> str | None:
+        entry = self.registry.lookup(model)
+        return entry.namespace if entry is not None else None
 
     # --- sending ------------------------------------------------------------------------
     def _upstream_headers(self, entry: ModelEntry, scope: Scope) -> dict[str, str]:
@@ -304,8 +313,9 @@ class ProxyEndpoint:
             body = self._parse(raw)
             model = body["model"]
             outcome["model"] = model
-            proxy._lookup(model)  # 404 before any holding
-            await self._route(scope, raw, body, model, send)
+            namespaces = scope.get("tidal.namespaces")  # set by the auth middleware for a tenant key
+            proxy._lookup(model, namespaces)  # 404 before any holding
+            await self._route(scope, raw, body, model, send, namespaces)
         except Reject as rej:
             await send_json(send, rej.status, error_body(rej.status, rej.message, rej.err_type, rej.param, rej.code),
                             rej.headers)
@@ -326,7 +336,8 @@ class ProxyEndpoint:
             raise Reject(400, "The request needs a 'model' (a string).", INVALID_REQUEST, param="model")
         return body
 
-    async def _route(self, scope: Scope, raw: bytes, body: dict[str, Any], model: str, send: Send) -> None:
+    async def _route(self, scope: Scope, raw: bytes, body: dict[str, Any], model: str, send: Send,
+                     namespaces: frozenset[str] | None = None) -> None:
         proxy = self.proxy
         config = proxy.config
         deadline = asyncio.get_running_loop().time() + config.hold_timeout_s
@@ -335,7 +346,7 @@ class ProxyEndpoint:
         sleep_bounces = 0
         key_rereads = 0
         while True:
-            entry = await proxy.wait_routable(model, deadline)
+            entry = await proxy.wait_routable(model, deadline, namespaces)
             candidates = [r for r in entry.routable() if r.key not in tried]
             prefix = prompt_prefix(body, config.prefix_chars) if entry.routing_strategy == "prefixHash" else None
             replica = proxy.loads.pick(candidates, strategy=entry.routing_strategy, prefix_key=prefix,

@@ -1,0 +1,141 @@
+"""Client keys: router-wide ones (platform admins: every model, every path) and namespace-scoped
+ones (a tenant: only the models of its namespace, only the OpenAI paths and /v1/models).
+
+A namespace's keys are every value of the Secret named `tidal-client-keys` in that namespace
+(a documented name, not a label: finding Secrets by label would need list on Secrets in every
+namespace; reading one known name needs only get). The router reads it for each namespace
+that has an LLMService, every `interval_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hmac
+import logging
+from typing import Any, Iterable
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from tidal_operator.router.proxy import AUTHENTICATION, error_body, send_json
+from tidal_operator.router.registry import Registry
+
+log = logging.getLogger("tidal.router.auth")
+
+TENANT_KEYS_SECRET = "tidal-client-keys"
+SCOPE_KEY = "tidal.namespaces"  # in the ASGI scope: the namespaces a tenant key opens (absent: all)
+
+
+def _bearer(keys: Iterable[str]) -> tuple[bytes, ...]:
+    return tuple(f"Bearer {k}".encode() for k in keys if k)
+
+
+class ApiKeys:
+    """The client-facing keys. Mutable so Secrets can rotate them live."""
+
+    def __init__(self, keys: Iterable[str] = (), *, allow_empty: bool = False) -> None:
+        self.allow_empty = allow_empty  # no keys configured: open (dev) or closed (keys pending)
+        self._tenants: dict[str, tuple[bytes, ...]] = {}
+        self.set(keys)
+
+    def set(self, keys: Iterable[str]) -> None:
+        self._expected = _bearer(keys)
+
+    def set_namespace(self, namespace: str, keys: Iterable[str]) -> None:
+        """The keys that open `namespace`'s models only (empty: none)."""
+        bearer = _bearer(keys)
+        if bearer:
+            self._tenants[namespace] = bearer
+        else:
+            self._tenants.pop(namespace, None)
+
+    def __bool__(self) -> bool:
+        return bool(self._expected)
+
+    def accepts(self, authorization: bytes) -> bool:
+        """A router-wide key."""
+        if not self._expected:
+            return self.allow_empty
+        # Compare against every key, without stopping early: the time taken reveals nothing.
+        ok = False
+        for expected in self._expected:
+            ok |= hmac.compare_digest(authorization, expected)
+        return ok
+
+    def namespaces(self, authorization: bytes) -> frozenset[str]:
+        """The namespaces whose keys include this one (every key compared, no early exit)."""
+        found = set()
+        for namespace, keys in self._tenants.items():
+            match = False
+            for expected in keys:
+                match |= hmac.compare_digest(authorization, expected)
+            if match:
+                found.add(namespace)
+        return frozenset(found)
+
+
+def allowed_namespaces(scope: Scope) -> frozenset[str] | None:
+    """None: every namespace (a router-wide key); else the tenant key's namespaces."""
+    return scope.get(SCOPE_KEY)
+
+
+class ApiKeyMiddleware:
+    """Bearer auth before routing, so unknown paths without a key get 401 too."""
+
+    def __init__(self, app: ASGIApp, keys: ApiKeys, open_paths: frozenset[str], tenant_paths: frozenset[str]) -> None:
+        self.app = app
+        self.keys = keys
+        self.open_paths = open_paths
+        self.tenant_paths = tenant_paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in self.open_paths or scope["method"] == "OPTIONS":
+            await self.app(scope, receive, send)
+            return
+        provided = next((v for k, v in scope.get("headers", []) if k == b"authorization"), b"")
+        admin = self.keys.accepts(provided)
+        tenant = self.keys.namespaces(provided)
+        if admin:
+            await self.app(scope, receive, send)
+            return
+        if tenant and scope["path"] in self.tenant_paths:
+            await self.app({**scope, SCOPE_KEY: tenant}, receive, send)
+            return
+        if tenant:
+            await send_json(send, 403, error_body(403, "A namespace key opens only the OpenAI endpoints and "
+                                                       "/v1/models.", "permission_error", code="forbidden"))
+            return
+        message = "Missing API key" if not provided else "Invalid API key"
+        await send_json(send, 401, error_body(401, f"{message}: send 'Authorization: Bearer <key>'.", AUTHENTICATION,
+                                              code="invalid_api_key"), {"WWW-Authenticate": "Bearer"})
+
+
+async def refresh_tenant_keys_once(core: Any, registry: Registry, keys: ApiKeys) -> None:
+    """Read `tidal-client-keys` in every namespace that has an LLMService (a missing Secret:
+    no tenant keys there; an unreadable one: keep the last good keys)."""
+    from kubernetes_asyncio.client.exceptions import ApiException
+
+    namespaces = {svc.namespace for svc in registry.state.services.values()}
+    for namespace in sorted(namespaces):
+        try:
+            secret = await core.read_namespaced_secret(TENANT_KEYS_SECRET, namespace)
+        except ApiException as exc:
+            if exc.status == 404:
+                keys.set_namespace(namespace, ())
+            else:
+                log.warning("cannot read %s/%s: %s", namespace, TENANT_KEYS_SECRET, exc.status)
+            continue
+        except Exception as exc:
+            log.warning("cannot read %s/%s: %s", namespace, TENANT_KEYS_SECRET, type(exc).__name__)
+            continue
+        data = secret.data if hasattr(secret, "data") else (secret.get("data") or {})
+        keys.set_namespace(namespace, [base64.b64decode(v).decode().strip() for v in (data or {}).values() if v])
+
+
+async def refresh_tenant_keys(api_client: Any, registry: Registry, keys: ApiKeys, interval_s: float) -> None:
+    from kubernetes_asyncio import client
+
+    core = client.CoreV1Api(api_client)
+    while True:
+        await refresh_tenant_keys_once(core, registry, keys)
+        await asyncio.sleep(interval_s)
