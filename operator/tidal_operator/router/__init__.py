@@ -1,7 +1,8 @@
 """Tidal's router: one OpenAI-compatible endpoint for every model in the cluster.
 
-It routes by `model` (an LLMService's served name or one of its LoRA adapters), balances by
-least outstanding requests or prefix-affine consistent hashing, retries failed replicas,
+It routes by `model` (an LLMService's served name or one of its LoRA adapters), balances on
+the engines' own load (least load, or prefix-affine consistent hashing with bounded load),
+re-sends a request only when it never reached an engine,
 and holds requests while it wakes a sleeping engine or waits for a new Pod. See docs/router.md.
 """
 
