@@ -127,6 +127,8 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="split long prompts across steps")
     sched.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                        help="schedule the next step while the device runs this one (default: on with CUDA)")
+    sched.add_argument("--scheduling-policy", default="fcfs", choices=("fcfs", "priority"),
+                       help="admit and preempt by arrival (fcfs) or by each request's priority, lower first")
     sched.add_argument("--enable-sleep-mode", action="store_true",
                        help="allow /sleep and /wake_up (free device memory on demand)")
 
@@ -304,6 +306,7 @@ def engine_config(parser: argparse.ArgumentParser, args: argparse.Namespace, mod
             enforce_eager=args.enforce_eager,
             async_scheduling=args.async_scheduling,
             enable_sleep_mode=args.enable_sleep_mode,
+            scheduling_policy=args.scheduling_policy,
             enable_lora=args.enable_lora,
             max_loras=args.max_loras or 1,
             max_lora_rank=args.max_lora_rank or 16,

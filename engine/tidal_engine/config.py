@@ -48,6 +48,8 @@ class EngineConfig:
     # No tokenizer at all (vLLM's skip_tokenizer_init): prompts are token ids, outputs have ids and
     # no text; stop strings and structured outputs, which need the vocabulary, are refused.
     skip_tokenizer_init: bool = False
+    # "fcfs", or "priority": requests run by their priority (lower first), then arrival (vLLM's flag).
+    scheduling_policy: str = "fcfs"
     # vLLM's --runner and --convert: "pooling" serves embeddings, scores and reranking
     # (tidal_engine.pooling) instead of generating; "auto" picks it for encoder and
     # sequence-classification checkpoints. convert (pooling only): auto | embed | classify.

@@ -27,6 +27,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None  # constrain the output (JSON schema, regex, …)
+    # Scheduling priority (lower runs first) under scheduling_policy "priority"; vLLM passes it
+    # next to the params, Tidal carries it in them so it travels to the core with them.
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -79,6 +82,8 @@ class SamplingParams:
             not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool) or not 0 <= self.logprobs <= 20
         ):
             fail(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+        if not isinstance(self.priority, int) or isinstance(self.priority, bool):
+            fail(f"priority must be an integer, got {self.priority!r}")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             fail(f"structured_outputs must be a StructuredOutputsParams, got {type(self.structured_outputs).__name__}")
 

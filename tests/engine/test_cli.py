@@ -160,12 +160,14 @@ def test_chat_output_flags_reach_the_server_settings(monkeypatch: pytest.MonkeyP
     with caplog.at_level("INFO"):
         assert run_main(["serve", "m", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
                          "--reasoning-parser", "qwen3", "--chat-template", str(template), "--tokenizer", "tok",
-                         "--generation-config", str(tmp_path), "--trust-remote-code"]) == 0
+                         "--generation-config", str(tmp_path), "--trust-remote-code",
+                         "--scheduling-policy", "priority", "--metrics-prefix", "vllm"]) == 0
     settings = captured["s"]
     assert settings.enable_auto_tool_choice and settings.tool_call_parser == "hermes"
     assert settings.reasoning_parser == "qwen3" and settings.chat_template == template.read_text()
     assert settings.generation_config == str(tmp_path)
-    assert captured["c"].tokenizer == "tok"
+    assert captured["c"].tokenizer == "tok" and captured["c"].scheduling_policy == "priority"
+    assert settings.metrics_prefix == "vllm"
     assert "only its built-in architectures" in caplog.text
 
 

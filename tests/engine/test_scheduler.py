@@ -351,3 +351,50 @@ def test_full_length_requests_do_not_deadlock() -> None:
         assert req.num_tokens == 64  # finished by max_model_len
         assert req.output_token_ids == reference_output([i + 1] * 30, 34)
     assert h.kv.num_free_blocks == 4
+
+
+def add_with_priority(h: Harness, request_id: str, prompt: list[int], priority: int, arrival: float,
+                      max_tokens: int = 4) -> Request:
+    req = Request(request_id, prompt, SamplingParams(max_tokens=max_tokens, priority=priority), arrival_time=arrival)
+    h.scheduler.add_request(req)
+    return req
+
+
+def test_priority_policy_admits_lower_priority_values_first() -> None:
+    h = Harness(num_blocks=32, max_num_seqs=1, policy="priority")
+    first = add_with_priority(h, "first", [1, 2], priority=5, arrival=1.0)
+    h.step()  # "first" runs; the others queue behind the one slot
+    low = add_with_priority(h, "low", [3, 4], priority=9, arrival=2.0)
+    urgent = add_with_priority(h, "urgent", [5, 6], priority=-1, arrival=3.0)
+    same = add_with_priority(h, "same", [7, 8], priority=-1, arrival=4.0)
+    assert list(h.scheduler.waiting) == [urgent, same, low]  # then arrival within a priority
+    order: list[str] = []
+    while h.scheduler.has_unfinished_requests():
+        for chunk in h.step().chunks:
+            if chunk.request.request_id not in order:
+                order.append(chunk.request.request_id)
+    assert order == ["first", "urgent", "same", "low"]
+    assert low.output_token_ids == reference_output([3, 4], 4) and first.status == RequestStatus.FINISHED_LENGTH
+
+
+def test_priority_policy_preempts_the_least_urgent() -> None:
+    # As test_preempts_newest_and_requeues_at_front, but the older request is the less urgent one.
+    h = Harness(num_blocks=4, block_size=4, max_num_batched_tokens=64, max_model_len=16, policy="priority")
+    relaxed = add_with_priority(h, "relaxed", [1, 2, 3, 4], priority=1, arrival=1.0, max_tokens=10)
+    urgent = add_with_priority(h, "urgent", [5, 6, 7, 8], priority=0, arrival=2.0, max_tokens=10)
+    preempted: list[Request] = []
+    while not preempted:
+        preempted = h.step().preempted
+    assert preempted == [relaxed]
+    h.run()
+    assert urgent.output_token_ids == reference_output([5, 6, 7, 8], 10)
+    assert relaxed.output_token_ids == reference_output([1, 2, 3, 4], 10)
+
+
+def test_fcfs_ignores_priority_and_unknown_policies_are_refused() -> None:
+    h = Harness(num_blocks=32, max_num_seqs=1)
+    a = add_with_priority(h, "a", [1], priority=9, arrival=1.0)
+    b = add_with_priority(h, "b", [2], priority=0, arrival=2.0)
+    assert list(h.scheduler.waiting) == [a, b]
+    with pytest.raises(ValueError, match="scheduling policy"):
+        SchedulerConfig(policy="lifo")

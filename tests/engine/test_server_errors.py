@@ -139,7 +139,10 @@ CASES: list[tuple[str, str, str, dict[str, Any], int, str, str | None]] = [
      "invalid_request_error", "allowed_token_ids"),
     ("bad_words", "POST", "/v1/chat/completions", {"json": {"messages": MSG, "bad_words": ["no"]}}, 400,
      "invalid_request_error", "bad_words"),
-    ("priority", "POST", "/v1/chat/completions", {"json": {"messages": MSG, "priority": 1}}, 400,
+    # priority needs --scheduling-policy priority (tests/engine/test_server_request_fields.py).
+    ("priority_without_policy", "POST", "/v1/chat/completions", {"json": {"messages": MSG, "priority": 1}}, 400,
+     "invalid_request_error", None),
+    ("priority_not_int", "POST", "/v1/completions", {"json": {"prompt": "x", "priority": "high"}}, 400,
      "invalid_request_error", "priority"),
     ("echo_with_logprobs", "POST", "/v1/completions", {"json": {"prompt": "x", "echo": True, "logprobs": 1}}, 400,
      "invalid_request_error", "echo"),

@@ -191,3 +191,14 @@ def test_metrics_prefix_vllm_renames_every_vllm_family(client: httpx.Client) -> 
             "vllm:time_to_first_token_seconds", "vllm:request_success", "vllm:prompt_tokens"} <= vllm
     assert 'vllm:request_success_total{finished_reason="length",model_name="tiny"} 1.0' in text
     assert not [name for name in vllm if name.startswith("tidal:") and name not in tidal_only]
+
+
+def test_priority_with_the_priority_policy(client: httpx.Client) -> None:
+    refused = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "priority": 3})
+    assert refused.status_code == 400 and "--scheduling-policy priority" in refused.json()["error"]["message"]
+    with live_server(engine={"scheduling_policy": "priority"}) as live, live.client() as c:
+        for body in ({"prompt": "hi", "max_tokens": 2, "priority": -5},
+                     {"messages": MSG, "max_tokens": 2, "priority": 3}):
+            path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
+            response = c.post(path, json=body)
+            assert response.status_code == 200, response.text

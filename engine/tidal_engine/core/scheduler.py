@@ -56,6 +56,9 @@ def default_max_num_batched_tokens(on_cuda: bool, chunked_prefill: bool, max_mod
     base = CUDA_DEFAULT_MAX_NUM_BATCHED_TOKENS if on_cuda else DEFAULT_MAX_NUM_BATCHED_TOKENS
     return base if chunked_prefill else max(max_model_len, base)
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
 @dataclass
 class SchedulerConfig:
     max_num_seqs: int = 256
@@ -65,8 +68,13 @@ class SchedulerConfig:
     block_size: int = 16
     # At most this many distinct LoRA adapters in the running batch (the device slots); None: no limit.
     max_loras: int | None = None
+    # "fcfs": by arrival. "priority": by (SamplingParams.priority, arrival), lower first, for
+    # admission and (reversed) for preemption, as vLLM's --scheduling-policy priority.
+    policy: str = "fcfs"
 
     def __post_init__(self) -> None:
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.policy!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -88,6 +96,7 @@ class SchedulerConfig:
             enable_chunked_prefill=config.enable_chunked_prefill,
             block_size=config.block_size,
             max_loras=config.max_loras if config.enable_lora else None,
+            policy=config.scheduling_policy,
         )
 
 @dataclass
@@ -140,10 +149,10 @@ class Scheduler:
         self.kv_cache_manager = kv_cache_manager
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # kept sorted by arrival: oldest first, newest last
+        self.running: list[Request] = []  # kept sorted by _order: oldest (or most urgent) first
         self.num_preemptions = 0
-        # Tie-breaker for equal arrival times: order of add_request.
-        self._order: dict[str, tuple[float, int]] = {}
+        # (priority, arrival, order of add_request); priority is 0 under fcfs.
+        self._order: dict[str, tuple[int, float, int]] = {}
         self._counter = itertools.count()
 
     # ---- queue management ---------------------------------------------------------------
@@ -159,8 +168,9 @@ class Scheduler:
             )
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
-        self._order[request.request_id] = (request.arrival_time, next(self._counter))
-        self.waiting.append(request)
+        priority = request.sampling_params.priority if self.config.policy == "priority" else 0
+        self._order[request.request_id] = (priority, request.arrival_time, next(self._counter))
+        self._enqueue(request)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         """Remove a request in any state, free its blocks and set its final status."""
@@ -317,4 +327,13 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        if self.config.policy == "priority":
+            self._enqueue(request)
+        else:
+            self.waiting.appendleft(request)  # FCFS: the victim resumes first
+
+    def _enqueue(self, request: Request) -> None:
+        if self.config.policy == "priority":
+            insort(self.waiting, request, key=lambda r: self._order[r.request_id])
+        else:
+            self.waiting.append(request)

@@ -188,6 +188,8 @@ class EngineCore:
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError("cache_salt must be a non-empty string")
         check_prompt(prompt_token_ids, self.vocab_size, self.max_model_len)
+        if params.priority != 0 and self.config.scheduling_policy != "priority":
+            raise ValueError(f"priority {params.priority} needs the engine started with --scheduling-policy priority")
         max_tokens = params.max_tokens
         room = self.max_model_len - len(prompt_token_ids)
         if max_tokens is None or max_tokens > room:

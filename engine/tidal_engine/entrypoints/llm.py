@@ -31,9 +31,11 @@ class LLM:
         *,
         cache_salt: str | None = None,
         lora_name: str | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Submit every prompt at once (so they batch), run to completion, return in order.
-        ``lora_name``: a loaded adapter (``llm.engine.add_lora``/``--lora-modules``) for every prompt."""
+        ``lora_name``: a loaded adapter (``llm.engine.add_lora``/``--lora-modules``) for every prompt.
+        ``priority``: one per prompt, lower first (needs ``scheduling_policy="priority"``), as vLLM's."""
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or SamplingParams()] * len(prompt_list)
@@ -41,6 +43,10 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompt_list):
                 raise ValueError("give one SamplingParams, or one per prompt")
+        if priority is not None:
+            if len(priority) != len(prompt_list):
+                raise ValueError("give one priority per prompt")
+            params_list = [p.clone(priority=level) for p, level in zip(params_list, priority)]
         ids = [f"offline-{next(self._ids)}" for _ in prompt_list]
         try:
             for request_id, prompt, params in zip(ids, prompt_list, params_list):

@@ -58,7 +58,7 @@ class SamplingFields(_Request):
     prompt_logprobs: Annotated[int, Field(ge=-1)] | None = None
     allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     bad_words: list[str] | None = None
-    priority: int = 0
+    priority: int = 0  # lower runs first; needs --scheduling-policy priority
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -92,8 +92,6 @@ class SamplingFields(_Request):
             bad.append("allowed_token_ids")
         if self.bad_words:
             bad.append("bad_words")
-        if self.priority != 0:
-            bad.append("priority (needs --scheduling-policy priority)")
         return bad
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:

@@ -370,6 +370,7 @@ class OpenAIServing:
                 skip_special_tokens=request.skip_special_tokens,
                 include_stop_str_in_output=request.include_stop_str_in_output,
                 structured_outputs=structured,
+                priority=request.priority,
             )
         except ValueError as exc:
             raise bad_request(str(exc)) from None
