@@ -3,10 +3,10 @@ marks Pods Ready without running a process): invalid specs, drift, a restart mid
 and the schemas of everything generated. No real engine is needed to show any of these, and
 the CPU is saved for the quickstart tests.
 
-On a real cluster the CRD's schema and CEL rules reject some of these invalid specs at
-`kubectl apply` already (a bad URI scheme, an unknown quantization, negative replicas). The
-emulated API server validates nothing, so each one reaches the operator, whose own
-validation must catch it: that is what these tests check.
+As on a real cluster, the emulated API server applies the CRD's schema and CEL rules, so some
+invalid specs are refused at `kubectl apply` (a bad URI scheme, an unknown quantization,
+negative replicas). What only the operator can see (a missing Secret, a reserved label) reaches
+it, and its own validation reports it in status and Events.
 """
 
 from __future__ import annotations
@@ -35,19 +35,30 @@ def apply(stack: Any, *objs: dict[str, Any]) -> None:
     stack.kubectl("apply", "-f", "-", input="\n---\n".join(yaml.safe_dump(o) for o in objs))
 
 
+# Refused by the CRD (schema and CEL) at apply: (the object, what kubectl's error must mention).
+REFUSED = {
+    "bad-scheme": (llmservice("bad-scheme", model={"uri": "s3://bucket/model"}), "URI scheme"),
+    "bad-quant": (llmservice("bad-quant", quantization={"weights": "int3"}), "spec.quantization.weights"),
+    "bad-gpus": (llmservice("bad-gpus", parallelism={"tensor": 2, "pipeline": 2}, engine={"resources": {"gpu": 2}}),
+                 "must equal parallelism.tensor x parallelism.pipeline"),
+    "bad-replicas": (llmservice("bad-replicas", replicas=-1), "spec.replicas"),
+}
+
+# What the API server can't see: (the invalid object, the fix as a merge patch, the message's words).
 INVALID = {
-    # name: (the invalid object, the fix as a merge patch, what the message must mention)
-    "bad-scheme": (llmservice("bad-scheme", model={"uri": "s3://bucket/model"}),
-                   {"spec": {"model": {"uri": "bundled://smollm2-135m"}}}, "unsupported URI scheme"),
-    "bad-quant": (llmservice("bad-quant", quantization={"weights": "int3"}),
-                  {"spec": {"quantization": {"weights": "none"}}}, "spec.quantization.weights"),
-    "bad-gpus": (llmservice("bad-gpus", parallelism={"tensor": 2, "pipeline": 2},
-                            engine={"resources": {"gpu": 2}}),
-                 {"spec": {"parallelism": {"tensor": 1, "pipeline": 2}}}, "tensor (2) x pipeline (2) = 4"),
-    "bad-replicas": (llmservice("bad-replicas", replicas=-1), {"spec": {"replicas": 1}}, "spec.replicas"),
+    "reserved-label": (llmservice("reserved-label", podTemplate={"labels": {"tidal.dev/llmservice": "x"}}),
+                       {"spec": {"podTemplate": {"labels": {"tidal.dev/llmservice": None}}}}, "reserved"),
     "no-secret": (llmservice("no-secret", auth={"apiKeySecretRef": {"name": "no-secret-key"}}),
                   None, "Secret 'no-secret-key'"),
 }
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_the_api_server_refuses_what_the_crd_rules_out(fake_stack: Any, name: str) -> None:
+    obj, mention = REFUSED[name]
+    out = fake_stack.kubectl("apply", "-f", "-", input=yaml.safe_dump(obj), check=False)
+    assert "is invalid" in out and mention in out, out
+    assert "NotFound" in fake_stack.kubectl("get", "llm", name, check=False)
 
 
 @pytest.mark.parametrize("name", sorted(INVALID))
@@ -65,9 +76,7 @@ def test_invalid_spec_gives_no_pod_then_proceeds_once_fixed(fake_stack: Any, nam
     assert fake_stack.pods(name) == []
 
     if fix is None:  # the missing Secret: create it (the operator rechecks unsettled objects)
-        secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "no-secret-key"},
-                  "stringData": {"api-key": "engine-key"}}
-        apply(fake_stack, secret)
+        fake_stack.kubectl("create", "secret", "generic", "no-secret-key", "--from-literal=api-key=engine-key")
     else:
         fake_stack.kubectl("patch", "llm", name, "--type=merge", "-p", json.dumps(fix))
     fake_stack.wait_ready(name, BOUND_S)

@@ -114,18 +114,20 @@ async def test_restart_mid_plan_creates_only_the_missing_pods(kube: Kube) -> Non
 
 
 async def test_invalid_spec_no_pods_condition_and_one_event(kube: Kube) -> None:
-    await create(kube, body(quantization={"weights": "int3"}))
+    # A problem the CRD's schema and CEL rules can't see (the API server refuses those).
+    await create(kube, body(podTemplate={"labels": {"tidal.dev/llmservice": "other"}}))
     outcome = await run(kube)
     assert outcome is not None and not outcome.valid
     assert await pods(kube) == []
     status = (await kube.get_llmservice(NS, "m"))["status"]
     validated = next(c for c in status["conditions"] if c["type"] == "Validated")
-    assert validated["status"] == "False" and "spec.quantization.weights" in validated["message"]
+    assert validated["status"] == "False" and "spec.podTemplate.labels" in validated["message"]
     await run(kube)  # the same problem again: no second Event
     assert len(await events(kube, "InvalidSpec")) == 1
 
     await kube.request("PATCH", f"/apis/{L.GROUP}/{L.VERSION}/namespaces/{NS}/{L.PLURAL}/m",
-                       content_type="application/merge-patch+json", body={"spec": {"quantization": {"weights": "none"}}})
+                       content_type="application/merge-patch+json",
+                       body={"spec": {"podTemplate": {"labels": {"tidal.dev/llmservice": None}}}})
     outcome = await run(kube)
     assert outcome is not None and outcome.valid and len(outcome.created) == 1
     assert await events(kube, "Validated")
@@ -345,7 +347,8 @@ async def test_the_reconcile_and_the_adapter_sync_each_keep_their_own_conditions
     assert by_type["Ready"]["status"] == "True" and by_type["AdaptersReady"]["reason"] == "Loading"
     # An invalid edit: the reconcile drops its endpoint, the adapter sync's condition stays.
     await kube.request("PATCH", f"/apis/{L.GROUP}/{L.VERSION}/namespaces/{NS}/{L.PLURAL}/m",
-                       content_type="application/merge-patch+json", body={"spec": {"quantization": {"weights": "int3"}}})
+                       content_type="application/merge-patch+json",
+                       body={"spec": {"podTemplate": {"labels": {"tidal.dev/x": "y"}}}})
     await run(kube)
     status = (await kube.get_llmservice(NS, "m"))["status"]
     assert "endpoint" not in status and status["desiredReplicas"] == 1

@@ -1,9 +1,9 @@
 """Typed models of the LLMService spec, mirroring crds/tidal.dev_llmservices.yaml.
 
 Field names are camelCase on the wire (aliases) and snake_case in Python. Every default
-here is identical to the CRD's default (tests/operator/test_crd.py checks it), because the
-local control plane does not apply OpenAPI defaults: the operator must get the same spec
-whether or not an API server defaulted it.
+here is identical to the CRD's default (tests/operator/test_crd.py checks it): the operator
+must get the same spec whether or not an API server defaulted it (an object stored before a
+default was added to the CRD is not defaulted until it is written again).
 
 The models check types and simple ranges only; cross-field rules live in validation.py,
 which also turns pydantic's errors into readable problems.

@@ -1,8 +1,9 @@
 """Cross-field validation of an LLMService spec, beyond what the CRD schema can say.
 
-Everything the CRD's schema and CEL rules check is checked here too, because the local
-control plane does no OpenAPI/CEL validation, and because a problem found here gets a
-clear message in `status.conditions[Validated]` and an Event instead of a 422 nobody reads.
+Everything the CRD's schema and CEL rules check is checked here too, because a spec can reach
+the operator unchecked (an API server without CEL, `tidal dev` without cel-python, an object
+stored under an older CRD), and because a problem found here gets a clear message in
+`status.conditions[Validated]` and an Event.
 
 Pure: Secret existence comes from an injected `secret_lookup(name) -> bool`. Messages name
 Secrets and keys, never values.

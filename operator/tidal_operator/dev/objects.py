@@ -16,6 +16,7 @@ from typing import Any, Callable
 import yaml
 
 from . import apply as ssa
+from .schema import admit
 
 from .patch import PatchError, PatchTestFailed, json_patch, merge_patch, strategic_merge_patch
 from .store import Obj, ResourceKey, ResourceType, Store, builtin_types
@@ -95,6 +96,8 @@ class ObjectApi:
         self.by_group_version: dict[tuple[str, str], dict[str, ResourceType]] = {}
         self.live_uids: set[str] = set()
         self._service_ips = 10
+        # (group, plural) -> version -> openAPIV3Schema, for the CRDs' custom resources.
+        self.schemas: dict[ResourceKey, dict[str, Obj]] = {}
         # Called with (rt, final object) whenever an object is removed for good.
         self.on_removed: list[Callable[[ResourceType, Obj], None]] = []
         for rt in builtin_types():
@@ -114,6 +117,7 @@ class ObjectApi:
             self.by_group_version.setdefault((rt.group, version), {})[rt.plural] = rt
 
     def unregister_type(self, key: ResourceKey) -> None:
+        self.schemas.pop(key, None)
         rt = self.types.pop(key, None)
         if rt is None:
             return
@@ -183,12 +187,31 @@ class ObjectApi:
         if rt.has_status:
             obj.pop("status", None)  # status is only written through /status
         self._defaults_on_create(rt, obj)
+        obj = self._admit(rt, obj)
+        meta = obj["metadata"]
         if dry_run:
             return obj
         self._stamp(obj)
         self.store.write(rt.key, obj, "ADDED")
         self.live_uids.add(meta["uid"])
         return obj
+
+    def _admit(self, rt: ResourceType, obj: Obj) -> Obj:
+        """A custom resource as kube-apiserver stores it: defaulted and pruned by its CRD's
+        schema; 422 when it doesn't validate (dev/schema.py)."""
+        versions = self.schemas.get(rt.key)
+        if not versions:
+            return obj
+        version = str(obj.get("apiVersion", "")).rpartition("/")[2]
+        schema = versions.get(version) or next(iter(versions.values()))
+        stored, errors = admit(schema, obj)
+        if errors:
+            name = obj["metadata"].get("name", "")
+            causes = [{"reason": "FieldValueInvalid", "message": str(e), "field": e.path} for e in errors]
+            raise ApiError(422, "Invalid", f'{rt.kind}.{rt.group} "{name}" is invalid: '
+                                           + ", ".join(str(e) for e in errors),
+                           {"name": name, "group": rt.group, "kind": rt.kind, "causes": causes})
+        return stored
 
     def _defaults_on_create(self, rt: ResourceType, obj: Obj) -> None:
         """The few defaults and side effects of real controllers that clients rely on."""
@@ -282,6 +305,7 @@ class ObjectApi:
             new["metadata"]["managedFields"] = managed
         else:
             new["metadata"].pop("managedFields", None)
+        new = self._admit(rt, new)
         if _content(new) != _content(old):
             new["metadata"]["generation"] = old["metadata"].get("generation", 1) + 1
         if new == old:
@@ -525,6 +549,8 @@ class ObjectApi:
         existing = self.types.get((group, plural))
         if existing is not None and (group, plural) not in self._crd_keys():
             raise ApiError(422, "Invalid", f"{plural}.{group} clashes with a built-in resource")
+        self.schemas[(group, plural)] = {v["name"]: (v.get("schema") or {}).get("openAPIV3Schema") or {}
+                                         for v in versions if (v.get("schema") or {}).get("openAPIV3Schema")}
         self.register_type(ResourceType(
             group=group, versions=[v["name"] for v in versions], plural=plural,
             singular=names.get("singular") or kind.lower(), kind=kind,
