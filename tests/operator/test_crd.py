@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from tidal_operator.api import LLMServiceSpec, validate_spec
+from tidal_operator.api.types import OperatorConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD_PATH = ROOT / "crds" / "tidal.dev_llmservices.yaml"
@@ -124,8 +125,18 @@ def test_examples_validate_against_the_schema(doc_id: str, doc: dict[str, Any]) 
     validator.validate(doc)
     validator.validate(apply_defaults(root_schema(), doc))  # and once defaulted
     assert doc["apiVersion"] == "tidal.dev/v1alpha1"
+    # The operator's configuration each example's header comment says to start it with.
+    config = OperatorConfig(allowed_file_roots=("/tmp/tidal-adapters",))
     assert validate_spec(doc["spec"], name=doc["metadata"]["name"], namespace="default",
-                         secret_lookup=lambda _: True) == []
+                         secret_lookup=lambda _: True, config=config) == []
+
+
+def test_the_cpu_examples_are_there() -> None:
+    names = {p.name for p in EXAMPLES}
+    assert {"sleep-scale-to-zero.yaml", "lora-cpu.yaml", "embeddings-minilm.yaml"} <= names
+    lora = yaml.safe_load((ROOT / "examples" / "lora-cpu.yaml").read_text())
+    assert "--allow-file-root /tmp/tidal-adapters" in (ROOT / "examples" / "lora-cpu.yaml").read_text()
+    assert lora["spec"]["lora"]["adapters"][0]["uri"].startswith("file:///tmp/tidal-adapters/")
 
 
 def test_every_example_file_is_only_known_kinds() -> None:
