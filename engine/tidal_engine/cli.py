@@ -144,16 +144,18 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     lora.add_argument("--allowed-lora-roots", nargs="+", default=None, metavar="DIR",
                       help="folders adapters may be loaded from; without it /v1/load_lora_adapter is refused")
 
-    parallel = parser.add_argument_group("parallelism")
+    parallel = parser.add_argument_group("parallelism", "one model over several devices (docs/parallelism.md)")
+    parallel.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1,
+                          help="split every layer over this many devices (gloo ranks on CPU)")
+    parallel.add_argument("--pipeline-parallel-size", "-pp", type=_positive_int, default=1,
+                          help="split the layers into this many stages, one device (set) each")
     parallel.add_argument("--distributed-executor-backend", default=None, choices=("uni", "mp"),
                           help="workers in the engine-core process (uni, the default for one device) "
-                               "or one process per rank (mp)")
+                               "or one process per rank (mp, the default for more)")
 
     unsupported = parser.add_argument_group(
         "vLLM features Tidal does not have", "accepted only with the value that turns them off"
     )
-    unsupported.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="must be 1")
-    unsupported.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="must be 1")
     unsupported.add_argument("--quantization", "-q", default=None, help="must be unset or 'none'")
     unsupported.add_argument("--kv-cache-dtype", default="auto", help="must be 'auto'")
 
@@ -259,10 +261,6 @@ def check_unsupported(parser: argparse.ArgumentParser, args: argparse.Namespace)
     problems: list[str] = []
     if getattr(args, "enable_auto_tool_choice", False) and not args.tool_call_parser:
         problems.append("--enable-auto-tool-choice (needs --tool-call-parser)")
-    if args.tensor_parallel_size != 1:
-        problems.append(f"--tensor-parallel-size {args.tensor_parallel_size} (Tidal runs on one device: use 1)")
-    if args.pipeline_parallel_size != 1:
-        problems.append(f"--pipeline-parallel-size {args.pipeline_parallel_size} (use 1)")
     if args.quantization not in (None, "none", "None"):
         problems.append(f"--quantization {args.quantization} (no quantized kernels yet)")
     if args.kv_cache_dtype != "auto":
@@ -313,7 +311,9 @@ def engine_config(parser: argparse.ArgumentParser, args: argparse.Namespace, mod
             max_cpu_loras=args.max_cpu_loras,
             lora_modules=dict(args.lora_modules) if args.lora_modules else None,
             allowed_lora_roots=list(args.allowed_lora_roots) if args.allowed_lora_roots else None,
-            distributed_executor_backend=args.distributed_executor_backend or "uni",
+            tensor_parallel_size=args.tensor_parallel_size,
+            pipeline_parallel_size=args.pipeline_parallel_size,
+            distributed_executor_backend=args.distributed_executor_backend,
             runner=args.runner,
             convert=args.convert,
         )

@@ -42,9 +42,14 @@ class EngineConfig:
     max_cpu_loras: int | None = None
     lora_modules: dict[str, str] | None = None
     allowed_lora_roots: list[str] | None = None
+    # Parallelism (docs/parallelism.md): tensor ranks split each layer, pipeline ranks split
+    # the layers; tensor × pipeline worker processes (one device each on CUDA, gloo on CPU).
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
     # Where the workers run: "uni" (in the engine-core process), "mp" (a process per rank), or
-    # "package.module:Class" for an Executor subclass (as vLLM allows).
-    distributed_executor_backend: str = "uni"
+    # "package.module:Class" for an Executor subclass (as vLLM allows). None: "mp" when there
+    # is more than one rank, else "uni".
+    distributed_executor_backend: str | None = None
     # No tokenizer at all (vLLM's skip_tokenizer_init): prompts are token ids, outputs have ids and
     # no text; stop strings and structured outputs, which need the vocabulary, are refused.
     skip_tokenizer_init: bool = False
@@ -55,6 +60,10 @@ class EngineConfig:
     # sequence-classification checkpoints. convert (pooling only): auto | embed | classify.
     runner: str = "auto"
     convert: str = "auto"
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -77,6 +86,14 @@ class EngineConfig:
             raise ValueError("max_loras and max_lora_rank must be >= 1")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size and pipeline_parallel_size must be >= 1, got "
+                             f"{self.tensor_parallel_size} and {self.pipeline_parallel_size}")
+        if self.distributed_executor_backend is None:
+            self.distributed_executor_backend = "mp" if self.world_size > 1 else "uni"
+        if self.distributed_executor_backend == "uni" and self.world_size > 1:
+            raise ValueError(f"{self.world_size} ranks (tensor {self.tensor_parallel_size} × pipeline "
+                             f"{self.pipeline_parallel_size}) need distributed_executor_backend 'mp'")
         if self.distributed_executor_backend not in ("uni", "mp") and ":" not in self.distributed_executor_backend:
             raise ValueError("distributed_executor_backend must be 'uni', 'mp' or 'package.module:ExecutorClass', "
                              f"got {self.distributed_executor_backend!r}")

@@ -49,8 +49,9 @@ def test_help_groups_flags(capsys: pytest.CaptureFixture[str]) -> None:
         (["serve", "m", "--dtype", "int3"], "invalid choice"),
         (["serve", "m", "--kv-cache-memory-bytes", "lots"], "argument --kv-cache-memory-bytes"),
         (["serve", "m", "--device", "tpu"], "unknown device"),
-        (["serve", "m", "--tensor-parallel-size", "2"], "--tensor-parallel-size 2"),
-        (["serve", "m", "--pipeline-parallel-size", "2"], "--pipeline-parallel-size 2"),
+        (["serve", "m", "--tensor-parallel-size", "0"], "must be >= 1"),
+        (["serve", "m", "-pp", "0"], "must be >= 1"),
+        (["serve", "m", "-tp", "2", "--distributed-executor-backend", "uni"], "need distributed_executor_backend 'mp'"),
         (["serve", "m", "--quantization", "awq"], "--quantization awq"),
         (["serve", "m", "--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8"),
         (["serve", "m", "--max-loras", "4"], "--max-loras (needs --enable-lora)"),
@@ -74,7 +75,7 @@ def test_bad_command_lines_exit_nonzero_with_a_message(
 
 def test_supported_values_of_unsupported_features_are_accepted() -> None:
     parser = cli.build_parser()
-    args = parser.parse_args(["serve", "m", "--tensor-parallel-size", "1", "--quantization", "none",
+    args = parser.parse_args(["serve", "m", "--quantization", "none",
                               "--kv-cache-dtype", "auto"])
     cli.check_unsupported(args.subparser, args)  # no SystemExit
 

@@ -1,11 +1,14 @@
 """The multiprocess executor: one worker process per rank, plans over ZeroMQ.
 
-Structure (N ranks; world size 1 today, the tensor-parallel work raises it):
+Structure (N = tensor × pipeline ranks; docs/parallelism.md):
 
 - the executor binds, per rank, a PUSH socket (plans and RPCs to the worker) and a PULL
   socket (its replies), on ``ipc://`` paths in a private temporary folder;
-- each worker process (``spawn``ed, titled "tidal-worker rank R") joins a torch.distributed
-  group (gloo on CPU, nccl on CUDA), builds its ``Worker`` and says it is ready;
+- each worker process (``spawn``ed, titled "tidal-worker rank R", on ``cuda:R`` with CUDA)
+  joins the torch.distributed world and its tensor-parallel group (gloo on CPU, nccl on
+  CUDA; distributed/parallel_state.py), builds its shard of the model and says it is ready;
+- every rank gets every plan; only the driver (rank 0) sends step results back (the
+  others take theirs, to keep their histories, and stay silent);
 - messages are msgspec msgpack: ``ExecuteMsg`` (a ``StepPlan``), ``RpcMsg`` (a method name,
   and its arguments pickled: LoRA adapters travel as pickled ``LoRAAdapter``s), ``ShutdownMsg``;
   replies are ``ResultMsg`` (the driver's ``StepResult``), ``RpcReplyMsg``, ``ErrorMsg``;
@@ -121,7 +124,6 @@ class MultiprocExecutor(Executor):
         source: Any = None,
         device: Any = None,
         dtype: Any = None,
-        world_size: int | None = None,
         **worker_kwargs: Any,
     ) -> None:
         import zmq
@@ -130,7 +132,10 @@ class MultiprocExecutor(Executor):
 
         source, device, dtype = resolve_worker_args(config, source, device, dtype)
         self.config = config
-        self.world_size = world_size or int(getattr(config, "tensor_parallel_size", 1) or 1)
+        self.tp_size = int(getattr(config, "tensor_parallel_size", 1) or 1)
+        self.pp_size = int(getattr(config, "pipeline_parallel_size", 1) or 1)
+        self.world_size = self.tp_size * self.pp_size
+        _check_split(source.arch_config, self.tp_size, self.pp_size, device)
         self.lora_manager = None  # adapters live in the worker processes: use collective_rpc
         self._dead: str | None = None
         self._closed = False
@@ -164,7 +169,8 @@ class MultiprocExecutor(Executor):
                 name=f"tidal-worker-{rank}",
                 kwargs=dict(
                     rank=rank,
-                    world_size=self.world_size,
+                    tp_size=self.tp_size,
+                    pp_size=self.pp_size,
                     config=config,
                     source=_picklable_or_none(source),
                     device=str(device),
@@ -235,8 +241,27 @@ class MultiprocExecutor(Executor):
                 self._pump(0)  # the driver (rank 0) returns the step results
             got = self._results.pop(step_id)
         if isinstance(got, ErrorMsg):
+            cause = self._dead_peer()
+            if cause is not None:  # rank 0 failed because another rank left its collectives
+                last = got.message.strip().splitlines()[-1] if got.message.strip() else ""
+                self._dead = f"{cause}; rank 0 then failed step {step_id}: {last}"
+                logger.error("%s", self._dead)
+                raise WorkerDiedError(self._dead)
             raise RuntimeError(f"step {step_id} failed in worker rank 0:\n{got.message}")
         return got
+
+    def _dead_peer(self, grace_s: float = 2.0) -> str | None:
+        """A rank other than the driver that died (waiting ``grace_s`` for its exit to show)."""
+        if self.world_size == 1:
+            return None
+        deadline = time.monotonic() + grace_s
+        while True:
+            for rank, proc in enumerate(self._procs[1:], start=1):
+                if not proc.is_alive():
+                    return f"worker rank {rank} (pid {proc.pid}) died ({_how(proc.exitcode)})"
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.05)
 
     # ---- the interface -------------------------------------------------------------
     def execute(self, plan: StepPlan) -> PendingStep:
@@ -271,9 +296,7 @@ class MultiprocExecutor(Executor):
             raise RuntimeError("the executor is shut down")
         for rank, proc in enumerate(self._procs):
             if not proc.is_alive():
-                code = proc.exitcode
-                how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-                self._dead = f"worker rank {rank} (pid {proc.pid}) died ({how})"
+                self._dead = f"worker rank {rank} (pid {proc.pid}) died ({_how(proc.exitcode)})"
                 logger.error("%s", self._dead)
                 raise WorkerDiedError(self._dead)
 
@@ -296,6 +319,22 @@ class MultiprocExecutor(Executor):
             for sock in self._to + self._from:
                 sock.close(linger=0)
             self._ctx.term()
+
+
+def _how(code: int | None) -> str:
+    return f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+
+
+def _check_split(arch: Any, tp_size: int, pp_size: int, device: torch.device) -> None:
+    """Refuse, before any process starts, a model that cannot be split this way or more
+    GPUs than this machine has."""
+    from tidal_engine.distributed.partition import check_tensor_parallel, layer_range
+
+    check_tensor_parallel(arch.num_attention_heads, arch.num_key_value_heads, arch.intermediate_size, tp_size)
+    layer_range(arch.num_hidden_layers, pp_size, 0)
+    if device.type == "cuda" and tp_size * pp_size > torch.cuda.device_count():
+        raise ValueError(f"tensor {tp_size} × pipeline {pp_size} needs {tp_size * pp_size} GPUs, "
+                         f"this machine has {torch.cuda.device_count()}")
 
 
 def _kill_all(procs: list[Any], tmpdir: str) -> None:
@@ -322,6 +361,15 @@ def _picklable_or_none(source: Any) -> Any:
 
 
 # ---- the worker process ----------------------------------------------------------------
+def _exit_after(outbox: "queue.Queue[Any]", push: Any, ctx: Any) -> None:
+    """Deliver what is queued (an error message), then end the process."""
+    outbox.put(None)
+    outbox.join()
+    push.close(linger=5000)
+    ctx.term()
+    os._exit(1)
+
+
 def _die_with_parent(parent_pid: int, use_pdeathsig: bool) -> None:
     if use_pdeathsig:
         die_with_parent()  # PR_SET_PDEATHSIG: SIGKILL when the parent (thread) exits
@@ -339,7 +387,8 @@ def _die_with_parent(parent_pid: int, use_pdeathsig: bool) -> None:
 
 def _worker_main(
     rank: int,
-    world_size: int,
+    tp_size: int,
+    pp_size: int,
     config: Any,
     source: Any,
     device: str,
@@ -358,6 +407,7 @@ def _worker_main(
     set_process_title(f"tidal-worker rank {rank}")
     import zmq
 
+    world_size = tp_size * pp_size
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
     pull.connect(to_addr)
@@ -379,6 +429,10 @@ def _worker_main(
                         msg: Any = ResultMsg(result) if rank == 0 else None
                     except Exception:  # noqa: BLE001 - reported to the executor
                         msg = ErrorMsg("step", step_id, traceback.format_exc())
+                        if world_size > 1:  # this rank's state has left the others': stop (the executor sees it)
+                            logger.error("worker rank %d: step %d failed:\n%s", rank, step_id, msg.message)
+                            push.send(_ENCODER.encode(msg))
+                            os._exit(1)
                 else:
                     msg = item
                 if msg is not None:
@@ -396,30 +450,28 @@ def _worker_main(
         if dev.type == "cuda":
             dev = torch.device("cuda", rank if world_size > 1 else (dev.index or 0))
             torch.cuda.set_device(dev)
-        import torch.distributed as dist
+        from tidal_engine.distributed.parallel_state import init_parallel
 
-        dist.init_process_group(
-            backend="nccl" if dev.type == "cuda" else "gloo", init_method=dist_init, rank=rank, world_size=world_size
-        )
+        init_parallel(tp_size, pp_size, rank, "nccl" if dev.type == "cuda" else "gloo", dist_init)
+        # Same seed on every rank: the tensor ranks sample the same gathered logits with the
+        # same random numbers, so they agree on every token without a broadcast.
         torch.manual_seed(getattr(config, "seed", 0))
         from tidal_engine.worker.worker import Worker
 
         worker = Worker(config, source, dev, getattr(torch, dtype), rank=rank, world_size=world_size, **worker_kwargs)
     except Exception:  # noqa: BLE001
         outbox.put(ErrorMsg("startup", 0, traceback.format_exc()))
-        outbox.put(None)
-        outbox.join()
-        push.close(linger=5000)  # deliver the error before exiting
-        ctx.term()
-        os._exit(1)
+        _exit_after(outbox, push, ctx)
     outbox.put(ReadyMsg(rank, os.getpid(), worker.num_kv_blocks()))
     while True:
         msg = _TO_WORKER.decode(pull.recv())
         if isinstance(msg, ExecuteMsg):
             try:
                 step = worker.execute(msg.plan)
-            except Exception:  # noqa: BLE001 - this step fails; the worker keeps serving
+            except Exception:  # noqa: BLE001 - with one rank, this step fails and the worker keeps serving
                 outbox.put(ErrorMsg("step", msg.plan.step_id, traceback.format_exc()))
+                if world_size > 1:
+                    _exit_after(outbox, push, ctx)  # the other ranks wait in a collective this rank never joins
                 continue
             outbox.put((msg.plan.step_id, step))
         elif isinstance(msg, RpcMsg):
@@ -435,10 +487,9 @@ def _worker_main(
     outbox.put(None)
     outbox.join()
     try:
-        import torch.distributed as dist
+        from tidal_engine.distributed.parallel_state import destroy_parallel
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        destroy_parallel()
     except Exception:  # noqa: BLE001
         pass
     push.close(linger=1000)

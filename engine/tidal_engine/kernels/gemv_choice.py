@@ -75,12 +75,13 @@ def choose_gemv(model: nn.Module, cache: dict[tuple[int, int, torch.dtype, bool]
     """Set ``gemv_config`` on every Linear of ``model`` (CUDA, 16-bit); ``cache`` keeps the
     choice per (N, K, dtype, bias) across model reloads (sleep level 2). Returns counts."""
     from tidal_engine.kernels.triton.gemv import GEMV_CONFIGS, gemv
-    from tidal_engine.layers.linear import Linear
+    from tidal_engine.layers.linear import LinearBase, UnquantizedLinearMethod
 
     chosen = {"cublas": 0, "gemv": 0}
     with torch.inference_mode():
         for module in model.modules():
-            if not isinstance(module, Linear) or module.weight.numel() == 0:
+            if not isinstance(module, LinearBase) or not isinstance(module.method, UnquantizedLinearMethod) \
+                    or module.weight.numel() == 0:
                 continue
             weight, bias = module.weight, module.bias
             key = (weight.shape[0], weight.shape[1], weight.dtype, bias is not None)

@@ -2,7 +2,10 @@
 
 ``attach_lora`` gives every LoRA-capable linear of the model (qkv, o, gate_up, down in each
 decoder layer) a ``LoRASlotWeights`` module holding ``max_loras`` adapter slots, and a
-forward hook that adds the LoRA delta to the base output. The layers themselves are not
+delta hook (``LinearBase.delta_hooks``) that adds the LoRA delta to the local base output,
+before a row-parallel layer's all-reduce. Under tensor parallelism each rank's slots hold
+its slice: A's input columns of row-parallel layers, B's output rows of column-parallel
+ones (``_rank_slice``). The layers themselves are not
 changed: with no adapter in the step, the hook returns at once and the base path (and the
 CUDA graphs captured from it) is exactly what it was.
 
@@ -197,7 +200,8 @@ class LoRAModelSlots:
         self.max_rank = max_rank
         self.context = LoRAContext()
         self.modules: dict[tuple[int, str], LoRASlotWeights] = {}
-        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self.linears: dict[tuple[int, str], nn.Module] = {}
+        self._hooks: list[tuple[nn.Module, object]] = []
         self.model = model
         self._attach(model)
 
@@ -212,12 +216,15 @@ class LoRAModelSlots:
                 slots = LoRASlotWeights(linear.in_features, sizes, self.max_loras, self.max_rank, dtype, device)
                 container[f"{index}_{module_name.replace('.', '_')}"] = slots
                 self.modules[(index, module_name)] = slots
-                self._hooks.append(linear.register_forward_hook(_make_hook(slots, self.context)))
+                self.linears[(index, module_name)] = linear
+                hook = _make_hook(slots, self.context)
+                linear.delta_hooks.append(hook)
+                self._hooks.append((linear, hook))
         model.add_module(self.CONTAINER, container)
 
     def detach(self) -> None:
-        for handle in self._hooks:
-            handle.remove()
+        for linear, hook in self._hooks:
+            linear.delta_hooks.remove(hook)
         self._hooks.clear()
         if hasattr(self.model, self.CONTAINER):
             delattr(self.model, self.CONTAINER)
@@ -232,18 +239,27 @@ class LoRAModelSlots:
                 slots.write(slot, None)
                 continue
             order = MODULE_SHARDS[module_name]
-            slots.write(slot, {order.index(shard): ab for shard, ab in entry.items()})
+            linear = self.linears[(layer, module_name)]
+            slots.write(slot, {order.index(shard): _rank_slice(linear, shard, a, b) for shard, (a, b) in entry.items()})
 
     def num_bytes(self) -> int:
         return sum(s.a.numel() * s.a.element_size() + s.b.numel() * s.b.element_size() for s in self.modules.values())
 
 
+def _rank_slice(linear: nn.Module, shard: str | None, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """This tensor rank's part of one shard's (A ``[r, in]``, B ``[out, r]``): A's columns follow
+    the layer's input run (row-parallel layers), B's rows its output run (column-parallel)."""
+    in_start, in_size = linear.input_range  # type: ignore[attr-defined]
+    out_start, out_size = linear.output_ranges[shard]  # type: ignore[attr-defined]
+    return a[:, in_start : in_start + in_size], b[out_start : out_start + out_size]
+
+
 def _make_hook(slots: LoRASlotWeights, context: LoRAContext):  # type: ignore[no-untyped-def]
-    def hook(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor | None:
+    def hook(x: torch.Tensor, output: torch.Tensor) -> None:
+        """Runs on the linear's local output, before a row-parallel all-reduce."""
         batch = context.batch
         if batch is None:
-            return None  # no adapter in this step: the base output as is
-        slots.add_delta(inputs[0], output, batch)
-        return output
+            return  # no adapter in this step: the base output as is
+        slots.add_delta(x, output, batch)
 
     return hook

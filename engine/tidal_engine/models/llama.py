@@ -3,12 +3,21 @@
 The three differ only in details the ArchConfig spells out: Qwen2 has q/k/v bias,
 Qwen3 normalises each head of q and k before rotary, and any of them may tie the LM
 head to the embedding.
+
+Parallelism (distributed/): the model is built for this process's rank. Tensor parallel:
+QKV and gate_up are column-parallel, o_proj and down_proj row-parallel (one all-reduce
+each), the embedding and the LM head split the vocabulary; attention runs this rank's
+heads. Pipeline parallel: a stage builds only its run of layers (the others are empty
+placeholders, so checkpoint indices still line up), the first stage the embedding, the
+last the final norm and the LM head; a stage that is not the last returns its hidden
+state and residual for the next one.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -16,7 +25,16 @@ from torch import nn
 from tidal_engine.kernels.fused import use_fused
 from tidal_engine.layers.activation import SiluAndMul
 from tidal_engine.layers.attention import Attention, AttentionMetadata
-from tidal_engine.layers.linear import Linear, MergedLinear, QKVLinear, VocabEmbedding, copy_checked
+from tidal_engine.distributed.parallel_state import get_parallel
+from tidal_engine.distributed.partition import layer_range
+from tidal_engine.layers.linear import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    copy_checked,
+)
 from tidal_engine.layers.norm import RMSNorm
 from tidal_engine.layers.rotary import RotaryEmbedding
 from tidal_engine.models.config import ArchConfig
@@ -25,13 +43,18 @@ from tidal_engine.models.config import ArchConfig
 class DecoderAttention(nn.Module):
     def __init__(self, config: ArchConfig, rotary: RotaryEmbedding) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        self.qkv_proj = QKVLinear(
-            config.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim, bias=config.attention_bias
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, config.num_attention_heads, config.num_key_value_heads, self.head_dim,
+            bias=config.attention_bias,
         )
-        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.o_proj_bias)
+        heads = self.qkv_proj.heads  # this tensor rank's query heads and the KV heads they read
+        self.num_heads = heads.num_heads
+        self.num_kv_heads = heads.num_kv_heads
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * self.head_dim, config.hidden_size, bias=config.o_proj_bias,
+            input_range=(heads.q_start * self.head_dim, heads.num_heads * self.head_dim),
+        )
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.rotary_emb = rotary  # one instance shared by every layer (same cos/sin cache)
@@ -95,8 +118,9 @@ class DecoderMLP(nn.Module):
     def __init__(self, config: ArchConfig) -> None:
         super().__init__()
         size = config.intermediate_size
-        self.gate_up_proj = MergedLinear(config.hidden_size, {"gate": size, "up": size}, bias=config.mlp_bias)
-        self.down_proj = Linear(size, config.hidden_size, bias=config.mlp_bias)
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, {"gate": size, "up": size}, bias=config.mlp_bias)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=config.mlp_bias,
+                                           input_range=self.gate_up_proj.output_ranges["gate"])
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -141,19 +165,35 @@ _MERGED_SHARDS: dict[str, tuple[str, str]] = {
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 
 
+class MissingLayer(nn.Module):
+    """Stands in for a decoder layer another pipeline stage holds."""
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ArchConfig) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        layout = get_parallel()
+        self.is_first_stage, self.is_last_stage = layout.is_first_stage, layout.is_last_stage
+        self.start_layer, self.end_layer = layer_range(config.num_hidden_layers, layout.pp_size, layout.pp_rank)
+        # The last stage of a tied model keeps its own copy of the embedding as its head.
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size) if self.is_first_stage else None
         self.rotary_emb = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
-        self.layers = nn.ModuleList(DecoderLayer(config, self.rotary_emb) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, self.rotary_emb) if self.start_layer <= i < self.end_layer else MissingLayer()
+            for i in range(config.num_hidden_layers)
+        )
+        self._local_layers = list(self.layers[self.start_layer : self.end_layer])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if self.is_last_stage else None
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size) if self.is_last_stage else None
+        if config.tie_word_embeddings and self.lm_head is not None and self.embed_tokens is not None:
+            self.lm_head.tie_to(self.embed_tokens)
+
+    @property
+    def num_local_layers(self) -> int:
+        return self.end_layer - self.start_layer
 
     def forward(
         self,
@@ -161,26 +201,41 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        """input_ids/positions ``[T]`` → final-normed hidden states ``[T, hidden_size]``."""
-        hidden = self.embed_tokens(input_ids)
+        intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """input_ids/positions ``[T]`` → final-normed hidden states ``[T, hidden_size]``.
+
+        ``kv_caches``: this stage's layers' caches. A stage after the first takes the previous
+        stage's (hidden, residual) as ``intermediate``; a stage before the last returns them."""
         residual: torch.Tensor | None = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        if self.embed_tokens is not None:
+            hidden = self.embed_tokens(input_ids)
+        else:
+            assert intermediate is not None, "a later pipeline stage needs the previous stage's activations"
+            hidden, residual = intermediate
+        for layer, kv_cache in zip(self._local_layers, kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+        if self.norm is None:
+            assert residual is not None
+            return hidden, residual
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[N, hidden_size]`` → ``[N, vocab_size]`` float32 logits."""
-        return self.lm_head(hidden).float()
+        """``[N, hidden_size]`` → ``[N, vocab_size]`` float32 logits (last stage only)."""
+        assert self.lm_head is not None, "only the last pipeline stage has the LM head"
+        return self.lm_head.logits(hidden).float()
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named checkpoint tensors into the model (merging q/k/v and gate/up).
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        """Copy HF-named checkpoint tensors (or lazy slices of them) into the model: each
+        parameter's loader takes this rank's slice, q/k/v and gate/up go into their merged
+        layers, and tensors another pipeline stage holds are skipped unread.
 
         Raises ValueError for an unknown, mis-shaped or missing tensor.
         """
         expected = self._expected_checkpoint_names()
         loaded: set[str] = set()
+        tied_head = self.config.tie_word_embeddings and self.lm_head is not None and self.embed_tokens is None
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq"):
                 continue  # old checkpoints save the rotary buffer; we compute our own
@@ -188,8 +243,14 @@ class LlamaForCausalLM(nn.Module):
                 continue  # tied: the embedding is the head
             if name not in expected:
                 raise ValueError(f"unexpected tensor in checkpoint: {name} {tuple(tensor.shape)}")
+            if not self._holds(name):
+                loaded.add(name)  # another pipeline stage's
+                continue
             try:
                 self._load_one(name, tensor)
+                if tied_head and name == "model.embed_tokens.weight":
+                    assert self.lm_head is not None
+                    self.lm_head.load("weight", tensor)
             except ValueError as exc:
                 raise ValueError(f"cannot load {name}: {exc}") from None
             loaded.add(name)
@@ -198,12 +259,24 @@ class LlamaForCausalLM(nn.Module):
             shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
             raise ValueError(f"checkpoint is missing {len(missing)} tensor(s): {shown}")
 
+    def _holds(self, name: str) -> bool:
+        """Whether this pipeline stage keeps the checkpoint tensor ``name``."""
+        match = _LAYER_NAME.match(name)
+        if match is not None:
+            return self.start_layer <= int(match.group(1)) < self.end_layer
+        if name == "model.embed_tokens.weight":
+            return self.embed_tokens is not None or (self.config.tie_word_embeddings and self.lm_head is not None)
+        return self.lm_head is not None  # model.norm.weight, lm_head.weight
+
     def _load_one(self, name: str, tensor: torch.Tensor) -> None:
         if name == "model.embed_tokens.weight":
-            self.embed_tokens.load("weight", tensor)
+            if self.embed_tokens is not None:
+                self.embed_tokens.load("weight", tensor)
         elif name == "model.norm.weight":
+            assert self.norm is not None
             copy_checked(self.norm.weight, tensor, "weight")
         elif name == "lm_head.weight":
+            assert self.lm_head is not None
             self.lm_head.load("weight", tensor)
         else:
             match = _LAYER_NAME.match(name)

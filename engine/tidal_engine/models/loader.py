@@ -45,6 +45,11 @@ class ModelSource(ABC):
     def load_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF parameter name, tensor) pairs, e.g. ``model.layers.0.self_attn.q_proj.weight``."""
 
+    def load_weight_slices(self) -> Iterator[tuple[str, Any]]:
+        """Like ``load_weights``, but an entry may be a lazy slice (``.shape``, ``.narrow``,
+        ``.read()``) that a tensor-parallel rank reads only its part of."""
+        return self.load_weights()
+
     def generation_config(self) -> dict[str, Any]:
         """The checkpoint's generation defaults (generation_config.json), if any."""
         return {}
@@ -73,6 +78,20 @@ class HFFolderSource(ModelSource):
 
     def load_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         return read_safetensors(self.weight_files)
+
+    def load_weight_slices(self) -> Iterator[tuple[str, Any]]:
+        from safetensors import safe_open
+
+        for file in self.weight_files:
+            try:
+                with safe_open(str(file), framework="pt") as handle:
+                    for name in handle.keys():
+                        # Lazy: each parameter's loader reads only its rank's slice.
+                        yield name, LazySlice(handle.get_slice(name), file)
+            except ValueError:
+                raise
+            except Exception as exc:  # safetensors raises its own error types
+                raise ValueError(f"cannot read safetensors file {file}: {exc}") from None
 
     def generation_config(self) -> dict[str, Any]:
         path = self.path / "generation_config.json"
@@ -103,6 +122,41 @@ def checked_safetensors(folder: Path) -> list[Path]:
     for file in files:
         _check_safetensors(file)
     return files
+
+
+class LazySlice:
+    """A safetensors tensor not read yet: ``narrow`` (any dimensions, any number of times)
+    only records the ranges, ``read`` fetches just those bytes. What a weight loader sees
+    of a checkpoint tensor, so a tensor-parallel rank reads only its shard."""
+
+    def __init__(self, handle: Any, file: Path, ranges: tuple[tuple[int, int], ...] | None = None) -> None:
+        self._handle = handle
+        self._file = file
+        full = tuple(int(d) for d in handle.get_shape())
+        self._ranges = ranges if ranges is not None else tuple((0, d) for d in full)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(end - start for start, end in self._ranges)
+
+    def dim(self) -> int:
+        return len(self._ranges)
+
+    def narrow(self, dim: int, start: int, length: int) -> "LazySlice":
+        base, end = self._ranges[dim]
+        if start < 0 or length < 0 or base + start + length > end:
+            raise ValueError(f"slice {start}:{start + length} of dimension {dim} is outside {self.shape}")
+        ranges = list(self._ranges)
+        ranges[dim] = (base + start, base + start + length)
+        return LazySlice(self._handle, self._file, tuple(ranges))
+
+    def read(self) -> torch.Tensor:
+        try:
+            if not self._ranges:
+                return self._handle[:]
+            return self._handle[tuple(slice(a, b) for a, b in self._ranges)]
+        except Exception as exc:  # safetensors raises its own error types
+            raise ValueError(f"cannot read safetensors file {self._file}: {exc}") from None
 
 
 def _find_safetensors(folder: Path) -> list[Path]:
@@ -370,6 +424,6 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device | s
             model = LlamaForCausalLM(source.arch_config)
     finally:
         torch.set_default_dtype(previous_dtype)
-    model.load_weights(source.load_weights())
+    model.load_weights(source.load_weight_slices())
     model.requires_grad_(False)
     return model.eval()

@@ -63,10 +63,25 @@ class KVCacheSpec:
     block_size: int
     dtype: torch.dtype
 
+    query_group: int = 1  # query heads per KV head on this rank
+
     @property
     def bytes_per_block(self) -> int:
         element = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element
+
+
+def kv_cache_spec(model: Any, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
+    """The KV cache of this rank: its pipeline stage's layers, its tensor shard's KV heads."""
+    attn = model.layers[model.start_layer].self_attn
+    return KVCacheSpec(
+        num_layers=model.num_local_layers,
+        num_kv_heads=attn.num_kv_heads,
+        head_dim=attn.head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        query_group=attn.num_heads // attn.num_kv_heads,
+    )
 
 
 class ModelRunner:
@@ -88,13 +103,7 @@ class ModelRunner:
         set_attention_backend(self.model, self.backend)
         # Multi-LoRA: adapter slots and hooks on the linears; None unless enable_lora.
         self.lora_manager = create_lora_manager(self.model, self.arch, config)
-        self.kv_spec = KVCacheSpec(
-            num_layers=self.arch.num_hidden_layers,
-            num_kv_heads=self.arch.num_key_value_heads,
-            head_dim=self.arch.head_dim,
-            block_size=config.block_size,
-            dtype=dtype,
-        )
+        self.kv_spec = kv_cache_spec(self.model, config.block_size, dtype)
         self.max_model_len = config.max_model_len or self.arch.max_position_embeddings
         self.num_blocks = self._decide_num_blocks()
         self.kv_caches: list[torch.Tensor] = self._allocate_kv_caches()
@@ -172,7 +181,7 @@ class ModelRunner:
         a first prefix-cache hit or a short chunk would otherwise wait for Triton's JIT."""
         if self.device.type != "cuda" or getattr(self.backend, "name", "") != "triton":
             return
-        group = max(1, self.arch.num_attention_heads // self.arch.num_key_value_heads)
+        group = max(1, self.kv_spec.query_group)
         for num_tokens in sorted({1, max(1, 32 // group), max(1, 64 // group), 256}):
             self._dummy_forward(num_tokens)
         torch.cuda.synchronize(self.device)

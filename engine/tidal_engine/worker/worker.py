@@ -81,15 +81,18 @@ class WorkerStep(PendingStep):
         return self._result is not None or self._error is not None
 
     def result(self) -> StepResult:
-        if self._result is None:
-            if self._error is not None:
-                raise self._error
-            try:
-                self._result = self._worker._complete(self)
-            except BaseException as exc:
-                self._error = exc
-                raise
-        return self._result
+        # One taker at a time: a rank's sender thread and its main thread (catching up, see
+        # Worker._launch) may both ask.
+        with self._worker._taking:
+            if self._result is None:
+                if self._error is not None:
+                    raise self._error
+                try:
+                    self._result = self._worker._complete(self)
+                except BaseException as exc:
+                    self._error = exc
+                    raise
+            return self._result
 
 
 class Worker:
@@ -116,15 +119,30 @@ class Worker:
         # execute() and result() may run on different threads (the multiprocess worker takes
         # results on a sender thread): both touch the histories under this lock.
         self._lock = threading.RLock()
+        self._taking = threading.RLock()  # held while a step's result is being taken
 
     # ---- steps -----------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> WorkerStep:
+        if self._last_step is not None and self._behind(plan):
+            # The core took step N's result from the driver and scheduled on it; this rank has
+            # not taken N's tokens into its histories yet (a non-driver rank's sender thread
+            # runs behind): take them first (outside the lock, which taking a result needs).
+            self.settle()
         with self._lock:
             for req_id in plan.finished_req_ids:
                 self._forget(req_id)
             for new in plan.new_requests:
                 self._add(new)
             return self._launch(plan)
+
+    def _behind(self, plan: StepPlan) -> bool:
+        """Whether a chunk of ``plan`` ends more than one token past what this rank has recorded."""
+        num_tokens = self.batch.num_tokens
+        for s in plan.scheduled:
+            state = self._requests.get(s.req_id)
+            if state is not None and s.num_computed_tokens + s.num_new_tokens > int(num_tokens[state.row]) + 1:
+                return True
+        return False
 
     def _add(self, new: NewRequest) -> None:
         if new.req_id in self._requests:
