@@ -48,6 +48,11 @@ class ApiError(Exception):
         return self.status == 404
 
     @property
+    def api_missing(self) -> bool:
+        """The resource type itself isn't served (its CRD is not installed), not one object."""
+        return self.status == 404 and "could not find the requested resource" in self.message
+
+    @property
     def already_exists(self) -> bool:
         return self.status == 409 and self.reason == "AlreadyExists"
 
@@ -217,6 +222,47 @@ class Kube:
     async def patch_pdb(self, namespace: str, name: str, patch: Mapping[str, Any]) -> None:
         await self.request("PATCH", f"/apis/policy/v1/namespaces/{namespace}/poddisruptionbudgets/{name}",
                            body=dict(patch), content_type=MERGE_PATCH)
+
+    # --- the external autoscalers of modes hpa and keda ----------------------------------------
+    # An HPA (autoscaling/v2) or a KEDA ScaledObject per LLMService, owned like its Pods.
+
+    async def get_hpa(self, namespace: str, name: str) -> Obj | None:
+        try:
+            return await self.request("GET", f"/apis/autoscaling/v2/namespaces/{namespace}/horizontalpodautoscalers/{name}")
+        except ApiError as exc:
+            if exc.not_found:
+                return None
+            raise
+
+    async def create_hpa(self, namespace: str, body: Mapping[str, Any]) -> None:
+        await self.request("POST", f"/apis/autoscaling/v2/namespaces/{namespace}/horizontalpodautoscalers",
+                           body=dict(body))
+
+    async def patch_hpa(self, namespace: str, name: str, patch: Mapping[str, Any]) -> None:
+        await self.request("PATCH", f"/apis/autoscaling/v2/namespaces/{namespace}/horizontalpodautoscalers/{name}",
+                           body=dict(patch), content_type=MERGE_PATCH)
+
+    async def delete_hpa(self, namespace: str, name: str) -> None:
+        await self.request("DELETE", f"/apis/autoscaling/v2/namespaces/{namespace}/horizontalpodautoscalers/{name}")
+
+    async def get_scaled_object(self, namespace: str, name: str) -> Obj | None:
+        """None if absent. Raises ApiError with `api_missing` when KEDA is not installed."""
+        try:
+            return await self.request("GET", f"/apis/keda.sh/v1alpha1/namespaces/{namespace}/scaledobjects/{name}")
+        except ApiError as exc:
+            if exc.not_found and not exc.api_missing:
+                return None
+            raise
+
+    async def create_scaled_object(self, namespace: str, body: Mapping[str, Any]) -> None:
+        await self.request("POST", f"/apis/keda.sh/v1alpha1/namespaces/{namespace}/scaledobjects", body=dict(body))
+
+    async def patch_scaled_object(self, namespace: str, name: str, patch: Mapping[str, Any]) -> None:
+        await self.request("PATCH", f"/apis/keda.sh/v1alpha1/namespaces/{namespace}/scaledobjects/{name}",
+                           body=dict(patch), content_type=MERGE_PATCH)
+
+    async def delete_scaled_object(self, namespace: str, name: str) -> None:
+        await self.request("DELETE", f"/apis/keda.sh/v1alpha1/namespaces/{namespace}/scaledobjects/{name}")
 
     # --- Secrets: existence only ---------------------------------------------------------------
 

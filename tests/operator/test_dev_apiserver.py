@@ -189,6 +189,11 @@ def test_server_side_apply_of_status_with_one_manager_per_controller(server: Api
     assert "endpoint" not in after["status"] and after["status"]["phase"] == "Failed"
     assert {c["type"]: c["status"] for c in after["status"]["conditions"]} == {"Ready": "False",
                                                                               "AdaptersReady": "True"}
+    # A condition it stops sending goes whole.
+    gone = apply("reconciler", {"phase": "Failed", "conditions": [cond("Ready", "False"), cond("Extra", "True")]})
+    assert [c["type"] for c in gone["status"]["conditions"]] == ["Ready", "AdaptersReady", "Extra"]
+    after = apply("reconciler", {"phase": "Failed", "conditions": [cond("Ready", "False")]})
+    assert after["status"]["conditions"] == [cond("Ready", "False"), cond("AdaptersReady", "True")]
     # The same apply again writes nothing.
     again = apply("reconciler", {"phase": "Failed", "conditions": [cond("Ready", "False")]})
     assert again["metadata"]["resourceVersion"] == after["metadata"]["resourceVersion"]

@@ -256,6 +256,49 @@ async def test_a_disruption_budget_is_owned_kept_in_line_and_garbage_collected(k
     assert await kube.get_pdb(NS, "m") is None  # the garbage collector follows the ownerReference
 
 
+KEDA_CRD = {"apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+            "metadata": {"name": "scaledobjects.keda.sh"},
+            "spec": {"group": "keda.sh", "scope": "Namespaced",
+                     "names": {"plural": "scaledobjects", "singular": "scaledobject", "kind": "ScaledObject"},
+                     "versions": [{"name": "v1alpha1", "served": True, "storage": True, "schema": {"openAPIV3Schema": {
+                         "type": "object", "x-kubernetes-preserve-unknown-fields": True}}}]}}
+
+
+async def external_condition(kube: Kube) -> dict[str, Any] | None:
+    conditions = (await kube.get_llmservice(NS, "m"))["status"]["conditions"]
+    return next((c for c in conditions if c["type"] == "ExternalAutoscaler"), None)
+
+
+async def test_modes_hpa_and_keda_create_and_own_their_autoscaler(kube: Kube) -> None:
+    autoscaling = {"mode": "hpa", "minReplicas": 1, "maxReplicas": 3, "metric": "requestsWaiting", "target": 2}
+    llm = await create(kube, body(replicas=1, autoscaling=autoscaling))
+    await run(kube)
+    hpa = await kube.get_hpa(NS, "m")
+    assert hpa is not None and owned_by(hpa, llm["metadata"]["uid"]) and hpa["spec"]["maxReplicas"] == 3
+    assert (await external_condition(kube))["reason"] == "HorizontalPodAutoscalerReady"  # type: ignore[index]
+
+    # keda without KEDA installed: said in a condition; the HPA of the old mode goes.
+    patch = {"spec": {"autoscaling": {"mode": "keda"}}}
+    path = f"/apis/{L.GROUP}/{L.VERSION}/namespaces/{NS}/{L.PLURAL}/m"
+    await kube.request("PATCH", path, content_type="application/merge-patch+json", body=patch)
+    await run(kube)
+    assert await kube.get_hpa(NS, "m") is None
+    condition = await external_condition(kube)
+    assert condition is not None and (condition["status"], condition["reason"]) == ("False", "KEDANotInstalled")
+
+    # KEDA installed: the ScaledObject is created and owned.
+    await kube.request("POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", body=KEDA_CRD)
+    await run(kube)
+    scaled = await kube.get_scaled_object(NS, "m")
+    assert scaled is not None and owned_by(scaled, llm["metadata"]["uid"])
+    assert (await external_condition(kube))["status"] == "True"  # type: ignore[index]
+
+    # Back to fixed replicas: the ScaledObject goes, and so does the condition.
+    await kube.request("PATCH", path, content_type="application/merge-patch+json", body={"spec": {"autoscaling": None}})
+    await run(kube)
+    assert await kube.get_scaled_object(NS, "m") is None and await external_condition(kube) is None
+
+
 async def test_label_drift_is_restored_and_container_drift_replaced(kube: Kube) -> None:
     await create(kube, body())
     await run(kube)

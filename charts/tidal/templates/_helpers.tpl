@@ -149,6 +149,14 @@ Its own calls are the Kube class (operator/tidal_operator/kube.py); kopf adds wa
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
   verbs: ["get", "create", "patch"]
+# Modes hpa and keda: the HPA or KEDA ScaledObject per LLMService (owned; deleted when the mode
+# changes, and by garbage collection with the LLMService).
+- apiGroups: ["autoscaling"]
+  resources: ["horizontalpodautoscalers"]
+  verbs: ["get", "create", "patch", "delete"]
+- apiGroups: ["keda.sh"]
+  resources: ["scaledobjects"]
+  verbs: ["get", "create", "patch", "delete"]
 # Read-only: that referenced Secrets exist, and the engine key the autoscaler scrapes /metrics with.
 - apiGroups: [""]
   resources: ["secrets"]

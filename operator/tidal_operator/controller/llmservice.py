@@ -21,8 +21,10 @@ from ..reconcile.manifests import (CONTAINER_NAME, disruption_budget_manifest, m
                                    pod_manifest, service_manifest, spec_hash)
 from ..reconcile.pods import PodView, plan_pods
 from ..reconcile.served_names import SERVED_NAME_CONFLICT, served_name_conflicts
-from ..reconcile.status import CONDITION_TYPES, compute_status, desired_replicas
+from ..reconcile.status import CONDITION_TYPES, compute_status, desired_replicas, extra_condition
 from ..secret_refs import referenced_secrets
+from .external_autoscaler import CONDITION as EXTERNAL_AUTOSCALER
+from .external_autoscaler import ensure_external_autoscaler
 from .ownership import adoption_patch, controller_ref, owned_by, replica_index
 
 Obj = dict[str, Any]
@@ -37,6 +39,10 @@ DesiredReplicasFn = Callable[[Obj, LLMServiceSpec, list[Obj]], Awaitable["int | 
 OWNED_STATUS_FIELDS = ("observedGeneration", "phase", "replicas", "readyReplicas", "updatedReplicas",
                        "sleepingReplicas", "replicasText", "selector", "servedModelName", "specHash",
                        "endpoint", "podEndpoints", "conditions")
+
+
+# The conditions the reconcile writes (and owns, as its field manager).
+RECONCILE_CONDITIONS = (*CONDITION_TYPES, EXTERNAL_AUTOSCALER)
 
 
 @dataclass(frozen=True)
@@ -68,10 +74,10 @@ def status_to_apply(new: Mapping[str, Any], old: Mapping[str, Any], *,
     autoscaler when it runs for this LLMService (`autoscaler_owns_desired`), else the reconcile
     (spec.replicas, HPA, KEDA)."""
     out: Obj = {k: new[k] for k in OWNED_STATUS_FIELDS if k in new and k != "conditions"}
-    out["conditions"] = [c for c in new.get("conditions") or [] if c.get("type") in CONDITION_TYPES]
+    out["conditions"] = [c for c in new.get("conditions") or [] if c.get("type") in RECONCILE_CONDITIONS]
     if not autoscaler_owns_desired and "desiredReplicas" in new:
         out["desiredReplicas"] = new["desiredReplicas"]
-    old_conditions = [c for c in old.get("conditions") or [] if c.get("type") in CONDITION_TYPES]
+    old_conditions = [c for c in old.get("conditions") or [] if c.get("type") in RECONCILE_CONDITIONS]
     unchanged = (all(old.get(k) == v for k, v in out.items() if k != "conditions")
                  and old_conditions == out["conditions"]
                  and not any(old.get(k) is not None for k in OWNED_STATUS_FIELDS if k not in out))
@@ -124,6 +130,9 @@ async def reconcile(kube: Kube, config: OperatorConfig, namespace: str, name: st
     # 2b. The PodDisruptionBudget (garbage-collected with the LLMService, like the Service).
     await ensure_disruption_budget(kube, config, llm)
 
+    # 2c. Modes hpa and keda: the HPA or ScaledObject that writes spec.replicas.
+    autoscaler = await ensure_external_autoscaler(kube, llm, spec)
+
     # 3. Drift: restore operator-owned labels/annotations; a hand-edited container is replaced.
     hash_ = spec_hash(spec, config)
     views: list[PodView] = []
@@ -168,6 +177,9 @@ async def reconcile(kube: Kube, config: OperatorConfig, namespace: str, name: st
     # 5. Status: what is true now.
     status = compute_status(llm, pods, [], generation, now, config=config, desired=want,
                             service_conflict=service_conflict)
+    if autoscaler is not None:
+        status["conditions"].append(extra_condition(old_status, EXTERNAL_AUTOSCALER, autoscaler.ok, autoscaler.reason,
+                                                    autoscaler.message, generation, now))
     builtin = spec.autoscaling is not None and spec.autoscaling.mode == "builtin"
     applied = status_to_apply(status, old_status,
                               autoscaler_owns_desired=builtin and desired_replicas_fn is not None)

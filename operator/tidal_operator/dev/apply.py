@@ -194,7 +194,9 @@ def apply(existing: Obj, config: Obj, *, manager: str, subresource: str | None, 
         owners[other].discard(path)
     merged = strategic_merge_patch(copy.deepcopy(existing), part)
     others = set().union(*(p for o, p in owners.items() if o != me)) if owners else set()
-    for path in sorted(owners.get(me, set()) - wanted.keys() - others, key=len, reverse=True):
+    gone = owners.get(me, set()) - wanted.keys() - others
+    # A whole list item goes at once: its fields (its key among them) are not removed one by one.
+    for path in sorted((p for p in gone if not any(p[:i] in gone for i in range(1, len(p)))), key=len, reverse=True):
         remove_path(merged, path)
     owners[me] = set(wanted)
     return merged, owners

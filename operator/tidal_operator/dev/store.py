@@ -63,6 +63,8 @@ def builtin_types() -> list[ResourceType]:
         R("apps", ["v1"], "replicasets", "replicaset", "ReplicaSet", True, ["rs"], ["all"], has_status=True),
         R("coordination.k8s.io", ["v1"], "leases", "lease", "Lease", True),
         R("events.k8s.io", ["v1"], "events", "event", "Event", True, ["ev"]),
+        R("autoscaling", ["v2"], "horizontalpodautoscalers", "horizontalpodautoscaler", "HorizontalPodAutoscaler",
+          True, ["hpa"], ["all"], has_status=True),
         R("policy", ["v1"], "poddisruptionbudgets", "poddisruptionbudget", "PodDisruptionBudget", True, ["pdb"],
           has_status=True),
         R("apiextensions.k8s.io", ["v1"], "customresourcedefinitions", "customresourcedefinition",

@@ -109,6 +109,13 @@ def stalled_pods(updated: Sequence[PodView], stuck: Sequence[StuckPod], now: dat
     return out
 
 
+def extra_condition(previous_status: Mapping[str, Any], type_: str, ok: bool | None, reason: str, message: str,
+                    generation: int | None, now: datetime) -> dict[str, Any]:
+    """A condition of another type than compute_status's, with the same lastTransitionTime rule."""
+    previous = {c.get("type"): c for c in previous_status.get("conditions") or []}
+    return _condition(previous, type_, ok, reason, message, generation, now)
+
+
 def _condition(previous: Mapping[str, Mapping[str, Any]], type_: str, ok: bool | None, reason: str, message: str,
                generation: int | None, now: datetime) -> dict[str, Any]:
     status = "Unknown" if ok is None else ("True" if ok else "False")
