@@ -30,6 +30,11 @@ class SamplingParams:
     # Scheduling priority (lower runs first) under scheduling_policy "priority"; vLLM passes it
     # next to the params, Tidal carries it in them so it travels to the core with them.
     priority: int = 0
+    # Only these tokens may be sampled (vLLM); None: any.
+    allowed_token_ids: list[int] | None = None
+    # Words that must not appear in the output (vLLM): tokenized by the engine, which bans a
+    # word's last token right after the output ends with the rest of it.
+    bad_words: list[str] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -82,6 +87,15 @@ class SamplingParams:
             not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool) or not 0 <= self.logprobs <= 20
         ):
             fail(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+        if self.allowed_token_ids is not None and (
+            not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids
+            or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.allowed_token_ids)
+        ):
+            fail(f"allowed_token_ids must be a non-empty list of token ids, got {self.allowed_token_ids!r}")
+        if self.bad_words is not None and (
+            not isinstance(self.bad_words, list) or not all(isinstance(w, str) and w for w in self.bad_words)
+        ):
+            fail(f"bad_words must be a list of non-empty strings, got {self.bad_words!r}")
         if not isinstance(self.priority, int) or isinstance(self.priority, bool):
             fail(f"priority must be an integer, got {self.priority!r}")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):

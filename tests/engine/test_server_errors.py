@@ -135,10 +135,12 @@ CASES: list[tuple[str, str, str, dict[str, Any], int, str, str | None]] = [
     # vLLM fields that need engine support Tidal lacks: refused unless "off".
     ("prompt_logprobs", "POST", "/v1/completions", {"json": {"prompt": "x", "prompt_logprobs": 1}}, 400,
      "invalid_request_error", "prompt_logprobs"),
-    ("allowed_token_ids", "POST", "/v1/completions", {"json": {"prompt": "x", "allowed_token_ids": [1, 2]}}, 400,
+    ("allowed_token_ids_outside_vocab", "POST", "/v1/completions",
+     {"json": {"prompt": "x", "allowed_token_ids": [10**9]}}, 400, "invalid_request_error", "allowed_token_ids"),
+    ("allowed_token_ids_empty", "POST", "/v1/completions", {"json": {"prompt": "x", "allowed_token_ids": []}}, 400,
      "invalid_request_error", "allowed_token_ids"),
-    ("bad_words", "POST", "/v1/chat/completions", {"json": {"messages": MSG, "bad_words": ["no"]}}, 400,
-     "invalid_request_error", "bad_words"),
+    ("bad_words_empty_word", "POST", "/v1/chat/completions", {"json": {"messages": MSG, "bad_words": [""]}}, 400,
+     "invalid_request_error", "bad_words.0"),
     # priority needs --scheduling-policy priority (tests/engine/test_server_request_fields.py).
     ("priority_without_policy", "POST", "/v1/chat/completions", {"json": {"messages": MSG, "priority": 1}}, 400,
      "invalid_request_error", None),

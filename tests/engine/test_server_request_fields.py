@@ -202,3 +202,19 @@ def test_priority_with_the_priority_policy(client: httpx.Client) -> None:
             path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
             response = c.post(path, json=body)
             assert response.status_code == 200, response.text
+
+
+def test_allowed_token_ids(client: httpx.Client) -> None:
+    ids = tokenize(client, prompt=" yes no maybe", add_special_tokens=False)
+    pieces = {client.post("/detokenize", json={"tokens": [t]}).json()["prompt"] for t in ids}
+    data = complete(client, allowed_token_ids=ids, logprobs=0, max_tokens=8)
+    tokens = data["choices"][0]["logprobs"]["tokens"]
+    assert len(tokens) == 8 and set(tokens) <= pieces
+
+
+def test_bad_words(client: httpx.Client) -> None:
+    free = complete(client, logprobs=0, max_tokens=8)["choices"][0]["logprobs"]["tokens"]
+    word = free[1].strip() or free[1]
+    banned = complete(client, logprobs=0, max_tokens=8, bad_words=[word])["choices"][0]
+    assert banned["logprobs"]["tokens"][0] == free[0]
+    assert free[1] not in banned["logprobs"]["tokens"] and word not in banned["text"]

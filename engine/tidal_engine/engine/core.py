@@ -44,6 +44,7 @@ from tidal_engine.lora import AdapterInfo, LoRAAdapter, LoRAError, LoRAManager
 from tidal_engine.models.loader import load_tokenizer, resolve_dtype, resolve_model
 from tidal_engine.sampling_params import SamplingParams
 from tidal_engine.structured import GrammarCompilerCache, GrammarMatcher
+from tidal_engine.structured.token_rules import CombinedMatcher, TokenRules, bad_word_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +73,7 @@ class _Parent:
     arrival_time: float
     lora_name: str | None = None
     compiled_grammar: object | None = None  # xgrammar CompiledGrammar shared by the samples
+    bad_words: list[list[int]] = field(default_factory=list)  # params.bad_words as token ids
     samples: list[_Sample | None] = field(default_factory=list)
     pending_fanout: bool = False  # samples 1..n-1 wait until sample 0 has filled the prefix cache
     first_scheduled_time: float | None = None
@@ -108,8 +110,13 @@ def sampling_options(params: SamplingParams, eos_token_ids: set[int]) -> Samplin
         min_tokens=int(params.min_tokens),
         min_tokens_banned=tuple(sorted(banned)),
         logprobs=params.logprobs,
-        has_grammar=params.structured_outputs is not None,
+        # Token rules ride on the grammar path (their bitmask also holds the min_tokens ban).
+        has_grammar=params.structured_outputs is not None or has_token_rules(params),
     )
+
+
+def has_token_rules(params: SamplingParams) -> bool:
+    return params.allowed_token_ids is not None or bool(params.bad_words)
 
 
 class EngineCore:
@@ -188,6 +195,8 @@ class EngineCore:
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError("cache_salt must be a non-empty string")
         check_prompt(prompt_token_ids, self.vocab_size, self.max_model_len)
+        if params.allowed_token_ids is not None and max(params.allowed_token_ids) >= self.vocab_size:
+            raise ValueError(f"allowed_token_ids has ids outside the vocabulary (size {self.vocab_size})")
         if params.priority != 0 and self.config.scheduling_policy != "priority":
             raise ValueError(f"priority {params.priority} needs the engine started with --scheduling-policy priority")
         max_tokens = params.max_tokens
@@ -198,6 +207,7 @@ class EngineCore:
         # Compile here, not per sample: errors become the caller's ValueError (a 400), and the
         # n samples (some added later, at fan-out) share one compiled grammar.
         compiled = self._compile_grammar(params) if params.structured_outputs is not None else None
+        bad_words = self._bad_words(params)
         if lora_name is not None:
             self._acquire_lora(lora_name)  # last check: nothing below can fail and leak the reference
         parent = _Parent(
@@ -209,6 +219,7 @@ class EngineCore:
             samples=[None] * params.n,
             lora_name=lora_name,
             compiled_grammar=compiled,
+            bad_words=bad_words,
         )
         self._parents[request_id] = parent
         self._prompt_tokens_total += len(prompt_token_ids)
@@ -237,9 +248,21 @@ class EngineCore:
         if parent.compiled_grammar is not None:
             assert self._grammars is not None
             sample.grammar = GrammarMatcher(parent.compiled_grammar, self._grammars.vocab_size)  # type: ignore[arg-type]
+        if has_token_rules(params):
+            grammar = sample.grammar is not None  # a grammar alone decides where the output may end
+            rules = TokenRules(self.vocab_size, params.allowed_token_ids, parent.bad_words,
+                               0 if grammar else params.min_tokens, sample.options.min_tokens_banned)
+            sample.grammar = CombinedMatcher(sample.grammar, rules) if sample.grammar is not None else rules  # type: ignore[assignment]
         parent.samples[index] = sample
         self._samples[sample_id] = sample
         self.scheduler.add_request(request)
+
+    def _bad_words(self, params: SamplingParams) -> list[list[int]]:
+        if not params.bad_words:
+            return []
+        if self.tokenizer is None:
+            raise ValueError("bad_words need the tokenizer (the engine runs with skip_tokenizer_init)")
+        return bad_word_token_ids(self.tokenizer, params.bad_words)
 
     def _compile_grammar(self, params: SamplingParams) -> object:
         assert params.structured_outputs is not None

@@ -54,10 +54,10 @@ class SamplingFields(_Request):
     include_stop_str_in_output: bool = False
     # Keep only the last k prompt tokens (vLLM; -1: the context length).
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
-    # vLLM's extras that need engine support Tidal lacks: accepted only with their "off" value.
+    # vLLM's extra that needs engine support Tidal lacks: accepted only with its "off" value.
     prompt_logprobs: Annotated[int, Field(ge=-1)] | None = None
-    allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
-    bad_words: list[str] | None = None
+    allowed_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] | None = None
+    bad_words: list[Annotated[str, Field(min_length=1)]] | None = None
     priority: int = 0  # lower runs first; needs --scheduling-policy priority
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -88,10 +88,6 @@ class SamplingFields(_Request):
             bad.append("best_of")
         if self.prompt_logprobs is not None:
             bad.append("prompt_logprobs")
-        if self.allowed_token_ids is not None:
-            bad.append("allowed_token_ids")
-        if self.bad_words:
-            bad.append("bad_words")
         return bad
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:

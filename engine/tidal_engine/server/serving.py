@@ -345,6 +345,8 @@ class OpenAIServing:
     def build_sampling_params(self, request: SamplingFields, max_tokens: int | None, logprobs: int | None,
                               structured: Any) -> SamplingParams:
         defaults = self.settings.default_sampling
+        if request.allowed_token_ids is not None:
+            self.check_token_ids(request.allowed_token_ids, "allowed_token_ids")
 
         def pick(name: str, fallback: float) -> Any:
             value = getattr(request, name)
@@ -371,6 +373,8 @@ class OpenAIServing:
                 include_stop_str_in_output=request.include_stop_str_in_output,
                 structured_outputs=structured,
                 priority=request.priority,
+                allowed_token_ids=list(request.allowed_token_ids) if request.allowed_token_ids is not None else None,
+                bad_words=list(request.bad_words) if request.bad_words else None,
             )
         except ValueError as exc:
             raise bad_request(str(exc)) from None
