@@ -305,6 +305,7 @@ def engine_config(parser: argparse.ArgumentParser, args: argparse.Namespace, mod
             async_scheduling=args.async_scheduling,
             enable_sleep_mode=args.enable_sleep_mode,
             scheduling_policy=args.scheduling_policy,
+            reasoning_parser=getattr(args, "reasoning_parser", None),
             enable_lora=args.enable_lora,
             max_loras=args.max_loras or 1,
             max_lora_rank=args.max_lora_rank or 16,

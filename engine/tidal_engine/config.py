@@ -55,6 +55,8 @@ class EngineConfig:
     skip_tokenizer_init: bool = False
     # "fcfs", or "priority": requests run by their priority (lower first), then arrival (vLLM's flag).
     scheduling_policy: str = "fcfs"
+    # The model reasons in <think>…</think> (--reasoning-parser): grammars start after </think>.
+    reasoning_parser: str | None = None
     # vLLM's --runner and --convert: "pooling" serves embeddings, scores and reranking
     # (tidal_engine.pooling) instead of generating; "auto" picks it for encoder and
     # sequence-classification checkpoints. convert (pooling only): auto | embed | classify.

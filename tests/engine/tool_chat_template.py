@@ -2,7 +2,9 @@
 
 Tool names and required arguments go into the system turn (short: the tiny test model has a
 256-token context); assistant tool calls render as <tool_call> JSON blocks and
-tool results as <tool_response> blocks, the way Qwen2.5's template does.
+tool results as <tool_response> blocks, the way Qwen2.5's template does. With
+chat_template_kwargs {"enable_thinking": false} the answer starts after an empty, closed
+think block, as Qwen3's template does.
 """
 
 TOOL_TEMPLATE = """\
@@ -23,7 +25,11 @@ Tools: {% for tool in tools %}{{ tool.function.name }}{{ tool.function.parameter
 {% endif %}
 {%- endfor %}
 {%- if add_generation_prompt %}<|im_start|>assistant
-{% endif %}"""
+{% if enable_thinking is defined and not enable_thinking %}<think>
+
+</think>
+
+{% endif %}{% endif %}"""
 
 WEATHER_TOOL = {
     "type": "function",

@@ -44,6 +44,7 @@ from tidal_engine.lora import AdapterInfo, LoRAAdapter, LoRAError, LoRAManager
 from tidal_engine.models.loader import load_tokenizer, resolve_dtype, resolve_model
 from tidal_engine.sampling_params import SamplingParams
 from tidal_engine.structured import GrammarCompilerCache, GrammarMatcher
+from tidal_engine.structured.reasoning_gate import ReasoningGate, reasoning_ended
 from tidal_engine.structured.token_rules import CombinedMatcher, TokenRules, bad_word_token_ids
 
 logger = logging.getLogger(__name__)
@@ -74,6 +75,7 @@ class _Parent:
     lora_name: str | None = None
     compiled_grammar: object | None = None  # xgrammar CompiledGrammar shared by the samples
     bad_words: list[list[int]] = field(default_factory=list)  # params.bad_words as token ids
+    reasoning_open: bool = False  # the grammar waits for the end of the reasoning
     samples: list[_Sample | None] = field(default_factory=list)
     pending_fanout: bool = False  # samples 1..n-1 wait until sample 0 has filled the prefix cache
     first_scheduled_time: float | None = None
@@ -220,6 +222,7 @@ class EngineCore:
             lora_name=lora_name,
             compiled_grammar=compiled,
             bad_words=bad_words,
+            reasoning_open=compiled is not None and self._reasoning_open(prompt_token_ids),
         )
         self._parents[request_id] = parent
         self._prompt_tokens_total += len(prompt_token_ids)
@@ -248,6 +251,8 @@ class EngineCore:
         if parent.compiled_grammar is not None:
             assert self._grammars is not None
             sample.grammar = GrammarMatcher(parent.compiled_grammar, self._grammars.vocab_size)  # type: ignore[arg-type]
+            if parent.reasoning_open:
+                sample.grammar = ReasoningGate(sample.grammar, self._think_ids()[1], self.vocab_size)  # type: ignore[assignment]
         if has_token_rules(params):
             grammar = sample.grammar is not None  # a grammar alone decides where the output may end
             rules = TokenRules(self.vocab_size, params.allowed_token_ids, parent.bad_words,
@@ -256,6 +261,20 @@ class EngineCore:
         parent.samples[index] = sample
         self._samples[sample_id] = sample
         self.scheduler.add_request(request)
+
+    def _think_ids(self) -> tuple[list[int], list[int]]:
+        """The token ids of <think> and </think> in this tokenizer."""
+        assert self.tokenizer is not None
+        return (self.tokenizer.encode("<think>", add_special_tokens=False),
+                self.tokenizer.encode("</think>", add_special_tokens=False))
+
+    def _reasoning_open(self, prompt_token_ids: list[int]) -> bool:
+        """With a reasoning parser, does the answer start inside the reasoning? Not when the
+        prompt already closed it (Qwen3's template with enable_thinking false)."""
+        if self.config.reasoning_parser is None:
+            return False
+        start, end = self._think_ids()
+        return not reasoning_ended(prompt_token_ids, end, start)
 
     def _bad_words(self, params: SamplingParams) -> list[list[int]]:
         if not params.bad_words:
