@@ -229,6 +229,10 @@ _CORE_KINDS = {"pod": "pods", "secret": "secrets", "service": "services", "event
 _GROUP_KINDS = {"lease": ("coordination.k8s.io", "leases")}
 # The routers' held-demand Leases live in the release namespace only (router writes, operator lists).
 DEMAND_LEASES = "leases"
+# Secrets beyond a get by name (the router's key copies: operator writes, router lists/watches):
+# release namespace only.
+def _release_namespace_only(call: tuple[str, str, str]) -> bool:
+    return call[1] == DEMAND_LEASES or (call[1] == "secrets" and call[2] != "get")
 
 
 def _method_to_perms(name: str, plural_hint: str | None) -> set[tuple[str, str, str]]:
@@ -432,7 +436,7 @@ def expected_operator(values: dict[str, Any]) -> set[Perm]:
     cluster = rbac.get("scope", "cluster") == "cluster"
     peering = op.get("peering", {}).get("enabled") or op.get("replicas", 1) > 1
     calls = operator_calls()
-    demand = {c for c in calls if c[1] == DEMAND_LEASES}
+    demand = {c for c in calls if _release_namespace_only(c)}
     calls -= demand
     release_ns = scoped(NAMESPACE, demand) if values.get("router", {}).get("enabled", True) else set()
     # The peering gate's get of the peering object is found in the code; kopf adds the rest.
@@ -463,11 +467,15 @@ def expected_router(values: dict[str, Any]) -> set[Perm]:
     if router.get("wakeLease") == "none":
         # --wake-lease none: the lease (pods get/patch) is never constructed.
         calls -= {("", "pods", "get"), ("", "pods", "patch")}
-    demand = {c for c in calls if c[1] == DEMAND_LEASES}
-    calls -= demand
+    demand = {c for c in calls if _release_namespace_only(c)}
+    calls -= demand | {("", "secrets", "get")}
+    # The router reads no Secret outside the release namespace: there, the operator's key
+    # copies (list/watch) and its own client-key Secret (get, that name only).
+    secret = router.get("apiKey", {}).get("existingSecret") or f"{RELEASE}-router-api-key"
+    demand_perms = scoped(NAMESPACE, demand) | {(NAMESPACE, "", "secrets", "get", secret)}
     rbac = values.get("rbac", {})
     if rbac.get("scope", "cluster") == "cluster":
-        return scoped("*", calls) | scoped(NAMESPACE, demand)
+        return scoped("*", calls) | demand_perms
     watched = rbac.get("watchNamespaces") or [NAMESPACE]
     out: set[Perm] = set()
     for ns in watched:
@@ -475,7 +483,7 @@ def expected_router(values: dict[str, Any]) -> set[Perm]:
     if NAMESPACE not in watched:
         secret = router.get("apiKey", {}).get("existingSecret") or f"{RELEASE}-router-api-key"
         out.add((NAMESPACE, "", "secrets", "get", secret))  # its client-key Secret, that one only
-    return out | scoped(NAMESPACE, demand)
+    return out | demand_perms
 
 
 def test_router_calls_found_in_code() -> None:
@@ -483,7 +491,7 @@ def test_router_calls_found_in_code() -> None:
     assert router_calls() == {
         ("tidal.dev", "llmservices", "list"), ("tidal.dev", "llmservices", "watch"),
         ("", "pods", "list"), ("", "pods", "watch"), ("", "pods", "get"), ("", "pods", "patch"),
-        ("", "secrets", "get"),
+        ("", "secrets", "get"), ("", "secrets", "list"), ("", "secrets", "watch"),
         ("coordination.k8s.io", "leases", "create"), ("coordination.k8s.io", "leases", "patch"),
         ("coordination.k8s.io", "leases", "delete"),
     }
@@ -503,6 +511,7 @@ def test_operator_calls_found_in_code() -> None:
         ("", "secrets", "get"), ("", "events", "create"),
         ("kopf.dev", "kopfpeerings", "get"), ("kopf.dev", "clusterkopfpeerings", "get"),
         ("coordination.k8s.io", "leases", "list"),
+        ("", "secrets", "list"), ("", "secrets", "create"), ("", "secrets", "patch"), ("", "secrets", "delete"),
     }
     assert owner_reference_calls() == {("tidal.dev", "llmservices/finalizers", "update")}
     assert kopf_calls() == {
@@ -523,13 +532,26 @@ def test_rbac_is_exactly_what_the_code_calls(scenario: str) -> None:
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
+def test_the_router_reads_secrets_only_in_its_own_namespace(scenario: str) -> None:
+    # Issue 21: it used to get every Secret in the cluster (engine keys). Now the operator
+    # copies the keys it needs into the release namespace, and only there may it read.
+    perms = effective_permissions(render(SCENARIOS[scenario]), f"{RELEASE}-router")
+    secrets = {p for p in perms if p[2] == "secrets"}
+    assert all(scope == NAMESPACE for scope, *_ in secrets), secrets
+    assert {(v, rn) for _, _, _, v, rn in secrets if v == "get"} <= {("get", rn) for *_, rn in secrets if rn}
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
 def test_rbac_has_no_wildcards_and_secrets_are_read_only(scenario: str) -> None:
     for role in (o for o in render(SCENARIOS[scenario]) if o["kind"] in {"Role", "ClusterRole"}):
         for rule in role["rules"]:
             for field in ("apiGroups", "resources", "verbs"):
                 assert "*" not in rule[field], (role["metadata"]["name"], rule)
-            if "secrets" in rule["resources"]:
-                assert rule["verbs"] == ["get"], rule
+            if "secrets" in rule["resources"] and rule["verbs"] != ["get"]:
+                # Only the key copies in the release namespace: the router lists/watches them,
+                # the operator writes them. Everywhere else Secrets are read-only, by name.
+                assert role["kind"] == "Role" and role["metadata"]["namespace"] == NAMESPACE, (role, rule)
+                assert role["metadata"]["name"].endswith("-router-demand"), role["metadata"]["name"]
 
 
 def test_namespaced_mode_has_no_namespaced_cluster_grants() -> None:

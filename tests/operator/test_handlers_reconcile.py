@@ -453,3 +453,38 @@ async def test_a_later_claim_on_a_served_name_is_a_conflict_with_an_event(kube: 
     assert [e["reason"] for e in listing["items"] if e["type"] == "Warning"] == ["ServedNameConflict"]
     # The first claimant is untouched by the second.
     assert (await run(kube, "a")).valid  # type: ignore[union-attr]
+
+
+async def test_the_router_gets_copies_of_engine_and_namespace_keys_in_its_own_namespace(kube: Kube) -> None:
+    import base64
+
+    from tidal_operator.controller.router_secrets import ROUTER_SECRET, sync_router_secrets
+
+    def b64(value: str) -> str:
+        return base64.b64encode(value.encode()).decode()
+
+    await kube.request("POST", f"/api/v1/namespaces/{NS}/secrets",
+                       body={"metadata": {"name": "m-key"}, "data": {"api-key": b64("engine-secret")}})
+    await kube.request("POST", f"/api/v1/namespaces/{NS}/secrets",
+                       body={"metadata": {"name": "tidal-client-keys"}, "data": {"alice": b64("tenant-key")}})
+    llm = await create(kube, body(auth={"apiKeySecretRef": {"name": "m-key"}}))
+    await sync_router_secrets(kube, "tidal-system", None)
+
+    async def copies() -> dict[str, dict[str, Any]]:
+        listing = await kube.request("GET", "/api/v1/namespaces/tidal-system/secrets",
+                                     query={"labelSelector": ROUTER_SECRET})
+        return {s["metadata"]["name"]: s for s in listing["items"]}
+
+    found = await copies()
+    engine = found[f"tidal-engine-key-{llm['metadata']['uid']}"]
+    assert engine["data"] == {"api-key": b64("engine-secret")}
+    assert engine["metadata"]["annotations"]["tidal.dev/source-secret"] == f"{NS}/m-key"
+    assert found[f"tidal-client-keys-{NS}"]["data"] == {"alice": b64("tenant-key")}
+    # Rotation reaches the copy; a deleted source removes it.
+    await kube.request("PATCH", f"/api/v1/namespaces/{NS}/secrets/m-key", content_type="application/merge-patch+json",
+                       body={"data": {"api-key": b64("rotated")}})
+    await kube.request("DELETE", f"/api/v1/namespaces/{NS}/secrets/tidal-client-keys")
+    await sync_router_secrets(kube, "tidal-system", None)
+    found = await copies()
+    assert set(found) == {f"tidal-engine-key-{llm['metadata']['uid']}"}
+    assert found[f"tidal-engine-key-{llm['metadata']['uid']}"]["data"] == {"api-key": b64("rotated")}

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import base64
 from pathlib import Path
 from typing import Any, AsyncIterator
 
@@ -54,12 +53,14 @@ async def _create_pod(core: Any, obj: dict[str, Any]) -> None:
 
 async def test_watcher_fills_the_registry_and_follows_changes(api_client: Any) -> None:
     core, custom = k8s.CoreV1Api(api_client), k8s.CustomObjectsApi(api_client)
-    await core.create_namespaced_secret("default", {"metadata": {"name": "m-key"},
-                                                    "data": {"api-key": base64.b64encode(b"engine-key").decode()}})
+    # The engine key, as the operator copies it into the router's namespace ("tidal-system").
+    from tidal_operator.controller.router_secrets import engine_key_copy
+
     body = llmservice("m", served_name="smol", adapters=("sql",), secret="m-key")
     created = await custom.create_namespaced_custom_object(L.GROUP, L.VERSION, "default", L.PLURAL, body)
+    await core.create_namespaced_secret("tidal-system", engine_key_copy(created, "m-key", "api-key", "engine-key"))
     registry = Registry()
-    watcher = KubernetesWatcher(registry, api_client, watch_timeout_s=5)
+    watcher = KubernetesWatcher(registry, api_client, watch_timeout_s=5, keys_namespace="tidal-system")
     await watcher.start()
     try:
         await asyncio.wait_for(watcher.synced.wait(), 10)
@@ -85,6 +86,9 @@ async def test_watcher_fills_the_registry_and_follows_changes(api_client: Any) -
         await core.delete_namespaced_pod("m-0", "default", grace_period_seconds=0)
         await wait_until(lambda: not registry.lookup("smol").replicas)
         await core.delete_namespaced_pod("stray", "default", grace_period_seconds=0)
+        # The copy goes (the LLMService lost its auth): so does the key.
+        await core.delete_namespaced_secret(f"tidal-engine-key-{created['metadata']['uid']}", "tidal-system")
+        await wait_until(lambda: registry.engine_api_key(registry.lookup("smol")) is None)
         await custom.delete_namespaced_custom_object(L.GROUP, L.VERSION, "default", L.PLURAL, "m")
         await wait_until(lambda: registry.lookup("smol") is None)
     finally:

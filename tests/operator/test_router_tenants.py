@@ -4,13 +4,11 @@ router-wide key still opens everything."""
 from __future__ import annotations
 
 import base64
-from pathlib import Path
 from typing import Any
 
-import pytest
-
 from tidal_operator.router import Registry, RouterConfig, create_app
-from tidal_operator.router.auth import TENANT_KEYS_SECRET, ApiKeys, refresh_tenant_keys_once
+from tidal_operator.router.auth import ApiKeys
+from tidal_operator.router.registry import NAMESPACE_ANNOTATION, ROUTER_SECRET
 
 from router_upstreams import FakeEngine, llmservice, pod, serve, serve_engines
 
@@ -57,26 +55,19 @@ async def test_a_namespace_key_opens_only_that_namespaces_models() -> None:
                 assert r.status_code == 200
 
 
-async def test_tenant_keys_are_read_from_each_namespaces_secret(tmp_path: Path) -> None:
-    k8s = pytest.importorskip("kubernetes_asyncio.client")
-    k8s_config = pytest.importorskip("kubernetes_asyncio.config")
-    from tidal_operator import dev
+def test_namespace_keys_come_from_the_operators_copies_and_go_with_them() -> None:
+    from tidal_operator.router.registry import KeyCopies
 
-    handle = await dev.start_apiserver(crd_dir=Path(__file__).resolve().parents[2] / "crds")
-    configuration = k8s.Configuration()
-    await k8s_config.load_kube_config(config_file=str(dev.write_kubeconfig(tmp_path / "kc", handle.url)),
-                                      client_configuration=configuration)
-    api = k8s.ApiClient(configuration)
-    try:
-        core = k8s.CoreV1Api(api)
-        await core.create_namespaced_secret("team-a", {"metadata": {"name": TENANT_KEYS_SECRET}, "data": {
-            "alice": base64.b64encode(b"key-a").decode()}})
-        registry = _registry(llmservice("alpha", namespace="team-a"), llmservice("beta", namespace="team-b"))
-        keys = ApiKeys(["admin"])
-        keys.set_namespace("team-b", ["stale"])  # its Secret is gone: its keys go too
-        await refresh_tenant_keys_once(core, registry, keys)
-        assert keys.namespaces(b"Bearer key-a") == {"team-a"}
-        assert keys.namespaces(b"Bearer stale") == frozenset()
-    finally:
-        await api.close()
-        await handle.stop()
+    def copy(namespace: str, **values: str) -> dict[str, Any]:
+        return {"metadata": {"name": f"tidal-client-keys-{namespace}", "labels": {ROUTER_SECRET: "client-keys"},
+                             "annotations": {NAMESPACE_ANNOTATION: namespace}},
+                "data": {k: base64.b64encode(v.encode()).decode() for k, v in values.items()}}
+
+    keys = ApiKeys(["admin"])
+    copies = KeyCopies(Registry(), keys.set_namespace)
+    copies.replace([copy("team-a", alice="key-a"), copy("team-b", bob="key-b")])
+    assert keys.namespaces(b"Bearer key-a") == {"team-a"} and keys.namespaces(b"Bearer key-b") == {"team-b"}
+    copies.event("MODIFIED", copy("team-a", alice="key-a2"))  # rotated
+    assert keys.namespaces(b"Bearer key-a") == frozenset() and keys.namespaces(b"Bearer key-a2") == {"team-a"}
+    copies.event("DELETED", copy("team-b"))
+    assert keys.namespaces(b"Bearer key-b") == frozenset()

@@ -215,10 +215,7 @@ Its own calls are the Kube class (operator/tidal_operator/kube.py); kopf adds wa
 {{- else }}
 {{- fail (printf "router.wakeLease must be \"kubernetes\" or \"none\", not %q" .Values.router.wakeLease) }}
 {{- end }}
-# Read-only: the engine API-key Secrets named by LLMServices, and the router's client keys.
-- apiGroups: [""]
-  resources: ["secrets"]
-  verbs: ["get"]
+{{- /* No Secrets here: the router reads only the operator's copies in the release namespace (router/release-namespace-rbac.yaml). */}}
 {{- end -}}
 
 {{/* Security context of every container (values can tighten it, a test checks the floor). */}}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
@@ -19,7 +20,12 @@ from ..api.types import OperatorConfig
 from ..kube import Kube
 from ..scaling.controller import AutoscalerRuntime, KubeClusterApi, ScalingConfig
 from .reconciler import Reconciler
+from ..loops import run_rounds
 from .resync import resync_loop
+from .router_secrets import sync_router_secrets
+
+ROUTER_NAMESPACE_ENV = "TIDAL_ROUTER_NAMESPACE"  # where the router runs: its key copies go there
+ROUTER_SECRETS_INTERVAL_S = 10.0  # a rotated engine or client key reaches the router within this
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +58,11 @@ class OperatorRuntime:
             asyncio.create_task(self.autoscaler.run(namespace=namespace, active=active)),
             asyncio.create_task(self.adapters.run(namespace=namespace, active=active)),
         ]
+        router_namespace = os.environ.get(ROUTER_NAMESPACE_ENV)
+        if router_namespace:  # the router reads its keys from copies there, nowhere else
+            self._tasks.append(asyncio.create_task(run_rounds(
+                lambda: sync_router_secrets(self.kube, router_namespace, namespace), ROUTER_SECRETS_INTERVAL_S,
+                what="router secrets", active=active)))
 
     async def sync_adapters(self, namespace: str, name: str) -> None:
         """spec.lora changed: sync that LLMService now rather than at the next round."""

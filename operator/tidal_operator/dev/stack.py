@@ -14,7 +14,8 @@ Three processes, each in its own session so `tidal dev up` can return:
 - operator: `tidal operator --standalone` against the kubeconfig, reading held demand from
   the routers' Leases in `default` (TIDAL_ROUTER_DEMAND_NAMESPACE), so scale-from-zero works;
 - router: `tidal router` on loopback, with the key from `.tidal/api-key`, publishing its held
-  demand there (`--demand-leases default`).
+  demand there (`--demand-leases default`) and reading the operator's copies of engine and
+  client keys there (`--keys-namespace default`).
 `down()` stops them (the control plane's kubelet stops the engines) and then kills any engine
 process group still alive, so nothing is left behind even after a crash.
 """
@@ -279,7 +280,7 @@ def _healthy(url: str) -> bool:
         return False
 
 
-DEMAND_NAMESPACE = "default"  # where `tidal dev`'s router keeps its held-demand Lease
+DEMAND_NAMESPACE = "default"  # `tidal dev`'s router namespace: its demand Lease and its key copies
 
 
 def up(options: UpOptions, out: Any = sys.stdout) -> dict[str, Any]:
@@ -310,7 +311,8 @@ def up(options: UpOptions, out: Any = sys.stdout) -> dict[str, Any]:
     if read_pid(paths, "operator") is None:
         operator_env: dict[str, str] = {}
         if options.router:  # every router's held demand, from their Leases
-            operator_env = {"TIDAL_ROUTER_DEMAND_NAMESPACE": DEMAND_NAMESPACE}
+            operator_env = {"TIDAL_ROUTER_DEMAND_NAMESPACE": DEMAND_NAMESPACE,
+                            "TIDAL_ROUTER_NAMESPACE": DEMAND_NAMESPACE}  # and key copies for the router
         roots = [arg for root in options.allowed_file_roots for arg in ("--allowed-file-root", str(root.resolve()))]
         _spawn(paths, "operator", [_python(), "-m", "tidal_operator.cli", "operator", "--standalone",
                                    "--kubeconfig", str(paths.kubeconfig), "--resync-seconds", "30", *roots],
@@ -327,7 +329,7 @@ def up(options: UpOptions, out: Any = sys.stdout) -> dict[str, Any]:
             _spawn(paths, "router", [_python(), "-m", "tidal_operator.cli", "router", "--kubeconfig",
                                      str(paths.kubeconfig), "--host", "127.0.0.1",
                                      "--port", str(options.router_port), "--log-level", "warning",
-                                     "--demand-leases", DEMAND_NAMESPACE],
+                                     "--demand-leases", DEMAND_NAMESPACE, "--keys-namespace", DEMAND_NAMESPACE],
                    env={"TIDAL_ROUTER_API_KEY": api_key})
             state["router"] = f"http://127.0.0.1:{options.router_port}"
             paths.stack.write_text(json.dumps(state))

@@ -17,7 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from tidal_operator.router.auth import ApiKeyMiddleware, ApiKeys, allowed_namespaces, refresh_tenant_keys
+from tidal_operator.router.auth import ApiKeyMiddleware, ApiKeys, allowed_namespaces
 from tidal_operator.router.demand_lease import DemandLeasePublisher
 from tidal_operator.router.engine_load import EngineLoadPoller
 from tidal_operator.router.metrics import RouterMetrics
@@ -203,12 +203,15 @@ async def run_router(*, kubeconfig: str | None = None, in_cluster: bool = False,
                      port: int = 8080, namespace: str | None = None, config: RouterConfig | None = None,
                      api_keys_secret: str | None = None, wake_lease: str = "kubernetes",
                      log_level: str = "info", ready: asyncio.Event | None = None,
-                     demand_leases: str | None = None, router_id: str | None = None) -> None:
+                     demand_leases: str | None = None, router_id: str | None = None,
+                     keys_namespace: str | None = None) -> None:
     """Serve the router until cancelled: watch the cluster, answer on host:port.
 
     demand_leases: the namespace where this router keeps its held-demand Lease (the
     autoscaler reads every router's there); None: no Lease (demand only on /debug/demand).
     router_id: this replica's name in it (default: hostname-port).
+    keys_namespace: where the operator keeps its copies of engine keys and namespace client keys
+    (the router's own namespace); None: no engine keys and no namespace keys.
 
     api_keys_secret: "namespace/name" of a Secret whose every value is a client key.
     wake_lease: "kubernetes" (annotation lease on the Pod) or "none" (rely on idempotency).
@@ -226,10 +229,9 @@ async def run_router(*, kubeconfig: str | None = None, in_cluster: bool = False,
     if api_keys_secret:
         tasks.append(asyncio.create_task(_refresh_router_keys(api_client, api_keys_secret, keys,
                                                               config.api_keys, 30.0)))
-    # Namespace-scoped client keys: `tidal-client-keys` in each namespace with an LLMService.
-    tasks.append(asyncio.create_task(refresh_tenant_keys(api_client, registry, keys, 10.0)))
     lease = KubernetesWakeLease(api_client) if wake_lease == "kubernetes" else None
-    watcher = KubernetesWatcher(registry, api_client, namespace=namespace)
+    watcher = KubernetesWatcher(registry, api_client, namespace=namespace, keys_namespace=keys_namespace,
+                                client_keys=keys.set_namespace)
     await watcher.start()
     app = create_app(registry, config, wake_lease=lease, api_keys=keys, synced=watcher.synced.is_set)
     publisher = None
@@ -279,6 +281,8 @@ def build_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.
                    help="seconds in-flight requests get to finish after SIGTERM (held ones get a 503 at once)")
     p.add_argument("--demand-leases", default=None, metavar="NAMESPACE",
                    help="keep this router's held-demand Lease in NAMESPACE (what the autoscaler reads)")
+    p.add_argument("--keys-namespace", default=None, metavar="NAMESPACE",
+                   help="watch the operator's copies of engine keys and namespace client keys in NAMESPACE")
     p.add_argument("--router-id", default=None, help="this replica's name in its Lease (default: hostname-port)")
     p.add_argument("--wake-lease", choices=["kubernetes", "none"], default="kubernetes")
     p.add_argument("--log-level", default="info")
@@ -297,7 +301,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     asyncio.run(run_router(kubeconfig=args.kubeconfig, in_cluster=args.in_cluster, host=args.host, port=args.port,
                            namespace=args.namespace, config=config, api_keys_secret=args.api_keys_secret,
                            wake_lease=args.wake_lease, log_level=args.log_level,
-                           demand_leases=args.demand_leases, router_id=args.router_id))
+                           demand_leases=args.demand_leases, router_id=args.router_id,
+                           keys_namespace=args.keys_namespace))
 
 
 if __name__ == "__main__":

@@ -1,26 +1,19 @@
 """Client keys: router-wide ones (platform admins: every model, every path) and namespace-scoped
 ones (a tenant: only the models of its namespace, only the OpenAI paths and /v1/models).
 
-A namespace's keys are every value of the Secret named `tidal-client-keys` in that namespace
-(a documented name, not a label: finding Secrets by label would need list on Secrets in every
-namespace; reading one known name needs only get). The router reads it for each namespace
-that has an LLMService, every `interval_s`.
+A namespace's keys are every value of the Secret named `tidal-client-keys` in that namespace.
+The router never reads it there: the operator copies it into the router's namespace
+(controller/router_secrets.py), where the router watches the copies (registry.KeyCopies).
 """
 
 from __future__ import annotations
 
-import asyncio
-import base64
 import hmac
-import logging
-from typing import Any, Iterable
+from typing import Iterable
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tidal_operator.router.proxy import AUTHENTICATION, error_body, send_json
-from tidal_operator.router.registry import Registry
-
-log = logging.getLogger("tidal.router.auth")
 
 TENANT_KEYS_SECRET = "tidal-client-keys"
 SCOPE_KEY = "tidal.namespaces"  # in the ASGI scope: the namespaces a tenant key opens (absent: all)
@@ -108,34 +101,3 @@ class ApiKeyMiddleware:
         message = "Missing API key" if not provided else "Invalid API key"
         await send_json(send, 401, error_body(401, f"{message}: send 'Authorization: Bearer <key>'.", AUTHENTICATION,
                                               code="invalid_api_key"), {"WWW-Authenticate": "Bearer"})
-
-
-async def refresh_tenant_keys_once(core: Any, registry: Registry, keys: ApiKeys) -> None:
-    """Read `tidal-client-keys` in every namespace that has an LLMService (a missing Secret:
-    no tenant keys there; an unreadable one: keep the last good keys)."""
-    from kubernetes_asyncio.client.exceptions import ApiException
-
-    namespaces = {svc.namespace for svc in registry.state.services.values()}
-    for namespace in sorted(namespaces):
-        try:
-            secret = await core.read_namespaced_secret(TENANT_KEYS_SECRET, namespace)
-        except ApiException as exc:
-            if exc.status == 404:
-                keys.set_namespace(namespace, ())
-            else:
-                log.warning("cannot read %s/%s: %s", namespace, TENANT_KEYS_SECRET, exc.status)
-            continue
-        except Exception as exc:
-            log.warning("cannot read %s/%s: %s", namespace, TENANT_KEYS_SECRET, type(exc).__name__)
-            continue
-        data = secret.data if hasattr(secret, "data") else (secret.get("data") or {})
-        keys.set_namespace(namespace, [base64.b64decode(v).decode().strip() for v in (data or {}).values() if v])
-
-
-async def refresh_tenant_keys(api_client: Any, registry: Registry, keys: ApiKeys, interval_s: float) -> None:
-    from kubernetes_asyncio import client
-
-    core = client.CoreV1Api(api_client)
-    while True:
-        await refresh_tenant_keys_once(core, registry, keys)
-        await asyncio.sleep(interval_s)

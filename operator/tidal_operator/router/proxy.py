@@ -344,7 +344,6 @@ class ProxyEndpoint:
         tried: set[Key] = set()
         failures = 0
         sleep_bounces = 0
-        key_rereads = 0
         while True:
             entry = await proxy.wait_routable(model, deadline, namespaces)
             candidates = [r for r in entry.routable() if r.key not in tried]
@@ -358,9 +357,6 @@ class ProxyEndpoint:
                 await self._forward(scope, raw, entry, replica, send)
                 return
             except _Retry as failure:
-                if failure.kind == "key_rotated" and key_rereads < 1:
-                    key_rereads += 1  # the same replica may take it again, with the new key
-                    continue
                 if failure.kind == "sleeping" and sleep_bounces < config.max_retries + 1:
                     # Not a failure: the hold loop wakes it (or another replica takes it), and
                     # it must stay eligible for this request once awake.
@@ -423,8 +419,6 @@ class ProxyEndpoint:
                 raise _Retry("sleeping")
             self._failed(replica, model, "unavailable")
             raise _Retry("unavailable")
-        if upstream.status_code == 401 and await proxy.registry.reread_engine_key(entry):
-            raise _Retry("key_rotated")  # refused before starting; the new key goes out next
         headers = [(b"content-type", content_type.encode()), (b"x-tidal-replica", replica.pod_name.encode())]
         for name in ("x-request-id", "retry-after"):
             if name in upstream.headers:

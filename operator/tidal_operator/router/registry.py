@@ -16,7 +16,7 @@ import logging
 import random
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
-from typing import Any, Awaitable, Callable, Iterable, Literal, Mapping
+from typing import Any, Callable, Iterable, Literal, Mapping
 
 from tidal_operator import labels as L
 
@@ -386,8 +386,6 @@ class Registry:
         self._changed = asyncio.Event()
         self.version = 0
         self._secrets: dict[SecretRef, str] = {}
-        # Reads one engine-key Secret (set by KubernetesWatcher); None: keys are only set by hand.
-        self.secret_reader: SecretReader | None = None
 
     @property
     def state(self) -> RegistryState:
@@ -421,6 +419,9 @@ class Registry:
         return self._state.lookup(model)
 
     # engine API keys ----------------------------------------------------------------
+    def secret_refs(self) -> set[SecretRef]:
+        return set(self._secrets)
+
     def set_secret(self, ref: SecretRef, value: str | None) -> None:
         if value is None:
             self._secrets.pop(ref, None)
@@ -432,22 +433,8 @@ class Registry:
             return None
         return self._secrets.get(entry.api_key_secret)
 
-    async def reread_engine_key(self, entry: ModelEntry) -> bool:
-        """Read the entry's engine-key Secret again (an engine refused our key: it may have been
-        rotated). True when a different key was found."""
-        ref = entry.api_key_secret
-        if ref is None or self.secret_reader is None:
-            return False
-        before = self._secrets.get(ref)
-        value = await self.secret_reader(ref)
-        self.set_secret(ref, value)
-        return value is not None and value != before
-
 
 # --- feeding it from Kubernetes -----------------------------------------------------------
-
-SecretReader = Callable[[SecretRef], Awaitable[str | None]]
-
 
 def decode_secret_value(secret: Mapping[str, Any], key: str) -> str | None:
     data = secret.get("data") or {}
@@ -458,16 +445,79 @@ def decode_secret_value(secret: Mapping[str, Any], key: str) -> str | None:
     return value.strip() if isinstance(value, str) else None
 
 
+ROUTER_SECRET = "tidal.dev/router-secret"  # the operator's key copies (controller/router_secrets.py)
+SOURCE_SECRET = "tidal.dev/source-secret"
+SOURCE_KEY = "tidal.dev/source-key"
+NAMESPACE_ANNOTATION = "tidal.dev/namespace"
+ClientKeysSink = Callable[[str, list[str]], None]  # (namespace, keys): ApiKeys.set_namespace
+
+
+class KeyCopies:
+    """The operator's copies of engine keys and namespace client keys, as watched in the
+    router's own namespace, applied to the registry and the client-key set."""
+
+    def __init__(self, registry: Registry, client_keys: ClientKeysSink | None) -> None:
+        self.registry = registry
+        self.client_keys = client_keys
+        self._copies: dict[str, Mapping[str, Any]] = {}
+
+    def replace(self, items: Iterable[Mapping[str, Any]]) -> None:
+        self._apply({(o.get("metadata") or {}).get("name", ""): o for o in items})
+
+    def event(self, kind: str, obj: Mapping[str, Any]) -> None:
+        copies = dict(self._copies)
+        name = (obj.get("metadata") or {}).get("name", "")
+        if kind == "DELETED":
+            copies.pop(name, None)
+        elif kind in ("ADDED", "MODIFIED"):
+            copies[name] = obj
+        self._apply(copies)
+
+    def _apply(self, copies: dict[str, Mapping[str, Any]]) -> None:
+        engine: dict[SecretRef, str] = {}
+        tenants: dict[str, list[str]] = {}
+        for obj in copies.values():
+            meta = obj.get("metadata") or {}
+            annotations = meta.get("annotations") or {}
+            kind = (meta.get("labels") or {}).get(ROUTER_SECRET)
+            if kind == "engine-key" and SOURCE_SECRET in annotations:
+                namespace, _, name = annotations[SOURCE_SECRET].partition("/")
+                value = decode_secret_value(obj, "api-key")
+                if value:
+                    engine[SecretRef(namespace, name, annotations.get(SOURCE_KEY) or DEFAULT_API_KEY_KEY)] = value
+            elif kind == "client-keys" and annotations.get(NAMESPACE_ANNOTATION):
+                values = [decode_secret_value(obj, k) for k in sorted((obj.get("data") or {}))]
+                tenants[annotations[NAMESPACE_ANNOTATION]] = [v for v in values if v]
+        for ref in self.registry.secret_refs() - engine.keys():
+            self.registry.set_secret(ref, None)
+        for ref, value in engine.items():
+            self.registry.set_secret(ref, value)
+        if self.client_keys is not None:
+            before = {self._namespace_of(o) for o in self._copies.values()} - {None}
+            for namespace in before - tenants.keys():
+                self.client_keys(str(namespace), [])
+            for namespace, keys in tenants.items():
+                self.client_keys(namespace, keys)
+        self._copies = copies
+
+    @staticmethod
+    def _namespace_of(obj: Mapping[str, Any]) -> str | None:
+        return ((obj.get("metadata") or {}).get("annotations") or {}).get(NAMESPACE_ANNOTATION)
+
+
 class KubernetesWatcher:
-    """List+watch LLMServices and engine Pods into a Registry, forever.
+    """List+watch LLMServices and engine Pods into a Registry, forever, and (with
+    `keys_namespace`) the operator's copies of engine and client keys in that one namespace:
+    the router reads no Secret anywhere else.
 
     Each watch resumes from the last resourceVersion; on 410 Gone or any error it relists
     (which replaces the state, so objects deleted during the gap disappear) after a jittered,
-    growing backoff. Engine API keys are read from their Secrets on every LLMService event.
+    growing backoff.
     """
 
     def __init__(self, registry: Registry, api_client: Any, *, namespace: str | None = None,
-                 watch_timeout_s: int = 300, max_backoff_s: float = 30.0, key_refresh_s: float = 30.0) -> None:
+                 watch_timeout_s: int = 300, max_backoff_s: float = 30.0, keys_namespace: str | None = None,
+                 client_keys: ClientKeysSink | None = None) -> None:
         from kubernetes_asyncio import client as k8s
 
         self.registry = registry
@@ -477,24 +527,15 @@ class KubernetesWatcher:
         self._api_client = api_client
         self._custom = k8s.CustomObjectsApi(api_client)
         self._core = k8s.CoreV1Api(api_client)
-        self.synced = asyncio.Event()  # both lists done at least once
+        self.synced = asyncio.Event()  # every list done at least once
         self._synced_kinds: set[str] = set()
         self._tasks: list[asyncio.Task[None]] = []
-        self.key_refresh_s = key_refresh_s
-        registry.secret_reader = self._read_secret
+        self.keys_namespace = keys_namespace
+        self.kinds = ("llmservices", "pods") + (("secrets",) if keys_namespace else ())
+        self.copies = KeyCopies(registry, client_keys)
 
     async def start(self) -> None:
-        self._tasks = [asyncio.create_task(self._run("llmservices"), name="router-watch-llmservices"),
-                       asyncio.create_task(self._run("pods"), name="router-watch-pods"),
-                       asyncio.create_task(self._refresh_keys(), name="router-engine-keys")]
-
-    async def _refresh_keys(self) -> None:
-        """Re-read every engine key now and then: a rotated key is picked up within
-        key_refresh_s even with no traffic (with traffic, the engine's 401 triggers a re-read)."""
-        while True:
-            await asyncio.sleep(self.key_refresh_s)
-            for svc in list(self.registry.state.services.values()):
-                await self._refresh_secret(svc)
+        self._tasks = [asyncio.create_task(self._run(kind), name=f"router-watch-{kind}") for kind in self.kinds]
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -513,6 +554,8 @@ class KubernetesWatcher:
                 return self._custom.list_namespaced_custom_object, dict(
                     group=L.GROUP, version=L.VERSION, namespace=self.namespace, plural=L.PLURAL)
             return self._custom.list_cluster_custom_object, dict(group=L.GROUP, version=L.VERSION, plural=L.PLURAL)
+        if kind == "secrets":
+            return self._core.list_namespaced_secret, dict(namespace=self.keys_namespace, label_selector=ROUTER_SECRET)
         selector = dict(label_selector=L.LLMSERVICE)
         if self.namespace:
             return self._core.list_namespaced_pod, dict(namespace=self.namespace, **selector)
@@ -534,7 +577,7 @@ class KubernetesWatcher:
                 await self._replace(kind, items)
                 rv = (listing.get("metadata") or {}).get("resourceVersion")
                 self._synced_kinds.add(kind)
-                if len(self._synced_kinds) == 2:
+                if len(self._synced_kinds) == len(self.kinds):
                     self.synced.set()
                 backoff = 0.5
                 while True:  # each round ends at timeout_seconds; resume from the last version
@@ -560,27 +603,15 @@ class KubernetesWatcher:
     async def _replace(self, kind: str, items: list[dict[str, Any]]) -> None:
         if kind == "llmservices":
             self.registry.update(lambda s: replace_llmservices(s, items))
-            for svc in self.registry.state.services.values():
-                await self._refresh_secret(svc)
+        elif kind == "secrets":
+            self.copies.replace(items)
         else:
             self.registry.update(lambda s: replace_pods(s, items))
 
     async def _apply(self, kind: str, event: dict[str, Any]) -> None:
         if kind == "llmservices":
             self.registry.apply_llmservice_event(event)
-            if event["type"] in ("ADDED", "MODIFIED"):  # bookmarks carry no object to read
-                await self._refresh_secret(service_from_object(event["object"]))
+        elif kind == "secrets":
+            self.copies.event(event["type"], event["object"])
         else:
             self.registry.apply_pod_event(event)
-
-    async def _refresh_secret(self, svc: ServiceView) -> None:
-        if svc.api_key_secret is not None:
-            self.registry.set_secret(svc.api_key_secret, await self._read_secret(svc.api_key_secret))
-
-    async def _read_secret(self, ref: SecretRef) -> str | None:
-        try:
-            secret = self._to_dict(await self._core.read_namespaced_secret(ref.name, ref.namespace))
-            return decode_secret_value(secret, ref.key)
-        except Exception as exc:  # a missing Secret: the engine rejects us, clients see that
-            log.warning("cannot read API key Secret %s/%s: %s", ref.namespace, ref.name, type(exc).__name__)
-            return None
