@@ -30,7 +30,7 @@ class EngineSleepingError(RuntimeError):
     """A request reached a sleeping engine (the server answers 503 with Retry-After)."""
 
 
-@dataclass
+@dataclass(eq=False)  # identity: two requests with the same tokens are still two requests
 class _Pending:
     item: PoolingInput
     future: asyncio.Future[torch.Tensor]

@@ -36,7 +36,7 @@ from tidal_engine.server.pooling_protocol import (MAX_INPUTS, EmbeddingData, Emb
 from tidal_engine.server.protocol import ModelCard, ModelList
 from tidal_engine.server.serving import read_json_body
 
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 
 
 def encode_floats(vector: torch.Tensor, encoding_format: str) -> list[float] | str:
