@@ -101,6 +101,8 @@ def test_truncation_on_request(embed_http: TestClient) -> None:
 def test_wrong_task_is_400(embed_http: TestClient, rerank_http: TestClient) -> None:
     chat = embed_http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
     assert chat.status_code == 400 and "does not generate" in chat.json()["error"]["message"]
+    responses = embed_http.post("/v1/responses", json={"input": "hi"})
+    assert responses.status_code == 400 and "does not generate" in responses.json()["error"]["message"]
     embeddings = rerank_http.post("/v1/embeddings", json={"input": "hi"})
     assert embeddings.status_code == 400 and "classify model" in embeddings.json()["error"]["message"]
 
