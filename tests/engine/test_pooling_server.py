@@ -208,3 +208,12 @@ def test_lora_is_refused_on_a_pooling_model() -> None:
     config = EngineConfig(model=MINILM, runner="pooling", enable_lora=True)
     with pytest.raises(ValueError, match="--enable-lora needs --runner generate"):
         serve_pooling(config, ServerSettings())
+
+
+def test_start_up_hint_matches_the_task() -> None:
+    from tidal_engine.server.pooling import pooling_curl_hint
+
+    settings = ServerSettings(host="0.0.0.0", port=8001, api_key="secret")
+    embed = pooling_curl_hint(settings, MINILM, "embed")
+    assert "http://localhost:8001/v1/embeddings" in embed and "$TIDAL_API_KEY" in embed and "secret" not in embed
+    assert "/rerank" in pooling_curl_hint(settings, "reranker", "classify")

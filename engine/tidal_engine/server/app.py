@@ -185,11 +185,12 @@ class _DrainingServer(uvicorn.Server):
 
 
 def run_server(engine: EngineClient, settings: ServerSettings, *, reuse_port: bool = False,
-               app: FastAPI | None = None) -> int:
+               app: FastAPI | None = None, hint: str | None = None) -> int:
     """Serve until SIGINT/SIGTERM (then stop accepting, drain up to the timeout) or until the
     engine core dies. Returns the exit status: 0 after a drain, 1 after an engine death.
     ``reuse_port``: several API server processes share the port (SO_REUSEPORT).
-    ``app``: another app around the engine (the pooling server's); default: build_app's."""
+    ``app``: another app around the engine (the pooling server's); default: build_app's.
+    ``hint``: the copy-paste line logged at start-up; default: a chat request."""
     app = app or build_app(engine, settings)
     config = uvicorn.Config(
         app,
@@ -210,7 +211,7 @@ def run_server(engine: EngineClient, settings: ServerSettings, *, reuse_port: bo
         engine.on_dead = stop_on_engine_death
     sockets = [_shared_socket(settings.host, settings.port)] if reuse_port else None
     logger.info("starting the server for %s on http://%s:%d", names[0], settings.host, settings.port)
-    logger.info("try: %s", curl_hint(settings.host, settings.port, names[0], bool(settings.api_key)))
+    logger.info("try: %s", hint or curl_hint(settings.host, settings.port, names[0], bool(settings.api_key)))
     asyncio.run(server.serve(sockets=sockets))
     if engine.dead_error is not None:
         logger.error("exiting because the engine core died: %s", engine.dead_error)

@@ -327,4 +327,16 @@ def serve_pooling(config: Any, settings: ServerSettings) -> int:
         max_model_len=config.max_model_len, tokenizer=config.tokenizer, max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens, enable_sleep_mode=config.enable_sleep_mode,
     )
-    return run_server(engine, settings, app=build_pooling_app(engine, settings))  # type: ignore[arg-type]
+    return run_server(engine, settings, app=build_pooling_app(engine, settings),  # type: ignore[arg-type]
+                      hint=pooling_curl_hint(settings, names[0], engine.info.task))
+
+
+def pooling_curl_hint(settings: ServerSettings, model_name: str, task: str) -> str:
+    """The start-up copy-paste line: an embedding, or a rerank for a cross-encoder (no key in it)."""
+    host = "localhost" if settings.host in ("0.0.0.0", "::", "") else settings.host
+    auth = ' -H "Authorization: Bearer $TIDAL_API_KEY"' if settings.api_key else ""
+    if task == "embed":
+        path, body = "/v1/embeddings", f'{{"model": "{model_name}", "input": ["Hello!"]}}'
+    else:
+        path, body = "/rerank", f'{{"model": "{model_name}", "query": "Hello?", "documents": ["Hi!", "Bye."]}}'
+    return f"curl -s http://{host}:{settings.port}{path} -H 'Content-Type: application/json'{auth} -d '{body}'"
