@@ -79,6 +79,16 @@ def test_streamed_calls_reassemble_to_the_plain_ones(name: str, step: int) -> No
         [(c["name"], c["arguments"]) for c in calls]
 
 
+@pytest.mark.parametrize("step", [2, 1000])
+def test_parallel_tool_calls_false_keeps_the_first_call(step: int) -> None:
+    text, _ = RECORDED["hermes"]
+    plan = ChatOutputPlan(tool_parser=get_tool_parser("hermes"), max_calls=1)
+    message, called = plan.message(text)
+    assert called and [c.function.name for c in message.tool_calls] == ["get_weather"]
+    _, _, calls = stream(plan, text, step)
+    assert [c["name"] for c in calls] == ["get_weather"]
+
+
 def test_mistral_v11_format() -> None:
     text = '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "celsius"}[TOOL_CALLS]get_time[ARGS]{"zone": "CET"}'
     assert calls_of(get_tool_parser("mistral").extract(text)) == EXPECTED_CALLS

@@ -16,6 +16,7 @@ class ChatOutputPlan:
     reasoning: ReasoningParser | None = None
     tool_parser: ToolParser | None = None  # "auto" and "required": reads calls out of the text
     named_function: str | None = None  # a named tool_choice: the text is that function's arguments
+    max_calls: int | None = None  # parallel_tool_calls false: the first call only
 
     def message(self, text: str) -> tuple[ChatResponseMessage, bool]:
         """The message, and whether it calls tools."""
@@ -26,7 +27,7 @@ class ChatOutputPlan:
             content = None
         elif self.tool_parser is not None and content:
             extracted = self.tool_parser.extract(content)
-            content, calls = extracted.content, extracted.calls
+            content, calls = extracted.content, extracted.calls[: self.max_calls]
         tool_calls = [ResponseToolCall(id=c.id, function=ResponseFunctionCall(name=c.name, arguments=c.arguments))
                       for c in calls]
         return ChatResponseMessage(content=content, tool_calls=tool_calls, reasoning_content=reasoning), bool(calls)
@@ -52,7 +53,7 @@ class ChoiceStreamer:
         if plan.named_function is not None:
             self.tools = NamedCallStreamer(plan.named_function)
         elif plan.tool_parser is not None:
-            self.tools = ToolCallStreamer(plan.tool_parser)
+            self.tools = ToolCallStreamer(plan.tool_parser, plan.max_calls)
 
     @property
     def called(self) -> bool:

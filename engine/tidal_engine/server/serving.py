@@ -626,6 +626,7 @@ class OpenAIServing:
                 raise bad_request('"auto" tool choice needs the server started with --enable-auto-tool-choice '
                                   "and --tool-call-parser.", "tool_choice")
             plan.tool_parser = self.tool_parser
+            plan.max_calls = None if request.parallel_tool_calls else 1
             return plan, None
         if request.response_format is not None or request.structured_outputs is not None:
             raise bad_request("tool_choice required or named already constrains the output; drop "

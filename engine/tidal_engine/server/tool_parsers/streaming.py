@@ -14,8 +14,9 @@ from tidal_engine.server.tool_parsers.base import ToolParser, new_call_id
 class ToolCallStreamer:
     """Streams a parser's calls as each one completes."""
 
-    def __init__(self, parser: ToolParser) -> None:
+    def __init__(self, parser: ToolParser, max_calls: int | None = None) -> None:
         self.parser = parser
+        self.max_calls = max_calls
         self.start: int | None = None
         self.sent_content = 0
         self.num_calls = 0
@@ -29,6 +30,8 @@ class ToolCallStreamer:
             return self._content(text, end)
         deltas += self._content(text, self.start)
         calls = self.parser.calls_in(text[self.start:], final=finished)
+        if calls is not None:
+            calls = calls[: self.max_calls]
         if finished and not calls and self.num_calls == 0:
             return deltas + self._content(text, len(text))  # no call after all: plain content
         for index in range(self.num_calls, len(calls or [])):
