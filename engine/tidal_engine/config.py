@@ -62,6 +62,8 @@ class EngineConfig:
     # sequence-classification checkpoints. convert (pooling only): auto | embed | classify.
     runner: str = "auto"
     convert: str = "auto"
+    # "auto": read the checkpoint; "dummy": random weights (vLLM's --load-format dummy, for benchmarks).
+    load_format: str = "auto"
 
     @property
     def world_size(self) -> int:
@@ -88,6 +90,8 @@ class EngineConfig:
             raise ValueError("max_loras and max_lora_rank must be >= 1")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size and pipeline_parallel_size must be >= 1, got "
                              f"{self.tensor_parallel_size} and {self.pipeline_parallel_size}")

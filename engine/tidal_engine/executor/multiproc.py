@@ -450,6 +450,8 @@ def _worker_main(
         if dev.type == "cuda":
             dev = torch.device("cuda", rank if world_size > 1 else (dev.index or 0))
             torch.cuda.set_device(dev)
+        if dev.type == "cpu" and world_size > 1:  # ranks share the cores: don't oversubscribe them
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         from tidal_engine.distributed.parallel_state import init_parallel
 
         init_parallel(tp_size, pp_size, rank, "nccl" if dev.type == "cuda" else "gloo", dist_init)

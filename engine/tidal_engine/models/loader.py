@@ -414,8 +414,12 @@ def resolve_dtype(config_dtype: torch.dtype | str | None, requested: str, device
     return dtype
 
 
-def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device | str) -> LlamaForCausalLM:
-    """Build the model directly on ``device`` in ``dtype`` and fill it from the checkpoint."""
+def load_model(
+    source: ModelSource, dtype: torch.dtype, device: torch.device | str, load_format: str = "auto"
+) -> LlamaForCausalLM:
+    """Build this rank's model directly on ``device`` in ``dtype`` and fill it from the
+    checkpoint. ``load_format="dummy"`` (vLLM's): random weights, nothing read (benchmarks
+    of shapes whose checkpoint would take minutes to write and read)."""
     device = torch.device(device)
     previous_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # parameters are created in the run dtype (rotary stays float32)
@@ -424,6 +428,20 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device | s
             model = LlamaForCausalLM(source.arch_config)
     finally:
         torch.set_default_dtype(previous_dtype)
-    model.load_weights(source.load_weight_slices())
+    if load_format == "dummy":
+        fill_dummy_weights(model)
+    else:
+        model.load_weights(source.load_weight_slices())
     model.requires_grad_(False)
     return model.eval()
+
+
+def fill_dummy_weights(model: torch.nn.Module, std: float = 0.02) -> None:
+    """Norm weights 1, every other parameter N(0, std): finite activations at any depth."""
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() == 1 and "norm" in name:
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, std, generator=generator)

@@ -98,7 +98,7 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.arch = source.arch_config
-        self.model = load_model(source, dtype, device)
+        self.model = load_model(source, dtype, device, getattr(config, "load_format", "auto"))
         self.backend = choose_attention_backend(device)
         set_attention_backend(self.model, self.backend)
         # Multi-LoRA: adapter slots and hooks on the linears; None unless enable_lora.
@@ -422,7 +422,7 @@ class ModelRunner:
         _free_device_memory(self.device)
 
     def reload_weights(self) -> None:
-        self.model = load_model(self.source, self.dtype, self.device)
+        self.model = load_model(self.source, self.dtype, self.device, getattr(self.config, "load_format", "auto"))
         set_attention_backend(self.model, self.backend)
         if self.lora_manager is not None:
             self.lora_manager.reattach(self.model)

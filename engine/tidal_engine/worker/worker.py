@@ -285,6 +285,12 @@ class Worker:
     def memory_usage(self) -> dict[str, int]:
         return self.runner.memory_usage()
 
+    def cuda_graph_counts(self) -> dict[str, int]:
+        """How many decode and mixed-step CUDA graphs this rank captured."""
+        runner = self.runner
+        return {"decode": len(runner.graphs.graphs) if runner.graphs else 0,
+                "mixed": len(runner.mixed_graphs.graphs) if runner.mixed_graphs else 0}
+
     def ping(self) -> str:
         return "pong"
 
