@@ -2,8 +2,10 @@
 
 Run on a 2-GPU machine: ``TRITON_INTERPRET=0 pytest tests/engine/test_tensor_parallel_gpu.py -m gpu``.
 TP=2 (NCCL all-reduces captured in the decode and mixed-step CUDA graphs) against TP=1 on
-the same tiny random Qwen3, whose widened init keeps logits far apart: the greedy tokens
-agree and the top logprobs stay within a bf16 tolerance (the two sum in different orders).
+the same tiny random Qwen3: the greedy tokens agree, except that a sequence may take another
+token where the reference's two best nearly tie (the two sum in different orders, and bf16
+rounds that into a different argmax), and the chosen tokens' logprobs stay within a bf16
+tolerance.
 """
 
 from __future__ import annotations
@@ -54,11 +56,17 @@ def test_tp2_bf16_greedy_matches_tp1_with_graphs(folder: Path) -> None:
     reference, _ = _run(folder)
     got, graphs = _run(folder, tensor_parallel_size=2)
     assert len(graphs) == 2 and all(g["decode"] > 0 for g in graphs), graphs  # the all-reduces were captured
+    agreed = 0
     for ref, mine in zip(reference, got):
-        assert mine.outputs[0].token_ids == ref.outputs[0].token_ids
-        for a, b in zip(ref.outputs[0].logprobs, mine.outputs[0].logprobs):
-            top = next(iter(a))
-            assert abs(a[top].logprob - b[top].logprob) <= BF16_LOGPROB_TOL
+        for pos, (a, b) in enumerate(zip(ref.outputs[0].logprobs, mine.outputs[0].logprobs)):
+            ref_token, got_token = ref.outputs[0].token_ids[pos], mine.outputs[0].token_ids[pos]
+            if ref_token != got_token:
+                # bf16 sums in another order: the argmax may flip only where two logits nearly tie.
+                assert got_token in a and a[ref_token].logprob - a[got_token].logprob <= BF16_LOGPROB_TOL, (pos, a, b)
+                break  # the continuations differ from here on
+            assert abs(a[ref_token].logprob - b[got_token].logprob) <= BF16_LOGPROB_TOL
+            agreed += 1
+    assert agreed >= len(reference) * 24 // 2  # most positions agree outright
 
 
 def test_tp2_eager_matches_graphs(folder: Path) -> None:
