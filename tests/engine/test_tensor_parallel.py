@@ -1,11 +1,13 @@
-"""Tensor parallelism on CPU (gloo): TP=2 gives TP=1's tokens, and logprobs within 1e-4.
+"""Tensor and pipeline parallelism on CPU (gloo): TP=2, PP=2 and TP=2 × PP=2 give TP=1's
+tokens, and logprobs within 1e-4.
 
 Each TP engine is two worker processes on the 2-core CI box, so the tests share engines
 and keep generations short. What they cover, always against a TP=1 engine with the same
 options: greedy tokens and top logprobs on tiny Llama / Qwen2 (tied) / Qwen3 models; one
 mixed workload at once (chunked prefill under a tiny step budget, preemption under a tiny
 KV cache, prefix-cache hits, n > 1 with seeded sampling, a regex-constrained request);
-sleep and wake; and the head split arithmetic (distributed/partition.py).
+sleep and wake; pipeline stages (alone and with tensor ranks); a dead worker ending the
+served engine; and the split arithmetic (distributed/partition.py).
 """
 
 from __future__ import annotations
@@ -184,3 +186,20 @@ def test_served_tp2_answers_like_tp1_and_a_dead_worker_ends_the_server() -> None
         assert wait_until(lambda: not processes_in_group(server.process.pid), 30)  # no rank left behind
     finally:
         server.stop()
+
+
+# ---- pipeline parallel, and tensor × pipeline -----------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("name, tp, pp", [("qwen2_tied", 1, 2), ("qwen3", 2, 2)])
+def test_pipeline_stages_give_tp1_tokens_and_logprobs(
+    tmp_path_factory: pytest.TempPathFactory, name: str, tp: int, pp: int
+) -> None:
+    # qwen2_tied: the last stage keeps its own copy of the tied embedding as its head.
+    folder = _model_dir(tmp_path_factory, name)
+    options: dict[str, Any] = dict(max_num_batched_tokens=7)  # chunked prefill across the stages
+    reference = _generate(_llm(folder, **options), PROMPTS, GREEDY)
+    staged = _llm(folder, tensor_parallel_size=tp, pipeline_parallel_size=pp, **options)
+    try:
+        _assert_same(reference, _generate(staged, PROMPTS, GREEDY))
+    finally:
+        staged.engine.shutdown()

@@ -7,8 +7,9 @@ Structure (N = tensor × pipeline ranks; docs/parallelism.md):
 - each worker process (``spawn``ed, titled "tidal-worker rank R", on ``cuda:R`` with CUDA)
   joins the torch.distributed world and its tensor-parallel group (gloo on CPU, nccl on
   CUDA; distributed/parallel_state.py), builds its shard of the model and says it is ready;
-- every rank gets every plan; only the driver (rank 0) sends step results back (the
-  others take theirs, to keep their histories, and stay silent);
+- every rank gets every plan; only the output rank (tensor rank 0 of the last pipeline
+  stage: rank 0 without pipeline parallelism) sends step results back (the others take
+  theirs, to keep their histories, and stay silent);
 - messages are msgspec msgpack: ``ExecuteMsg`` (a ``StepPlan``), ``RpcMsg`` (a method name,
   and its arguments pickled: LoRA adapters travel as pickled ``LoRAAdapter``s), ``ShutdownMsg``;
   replies are ``ResultMsg`` (the driver's ``StepResult``), ``RpcReplyMsg``, ``ErrorMsg``;
@@ -135,6 +136,7 @@ class MultiprocExecutor(Executor):
         self.tp_size = int(getattr(config, "tensor_parallel_size", 1) or 1)
         self.pp_size = int(getattr(config, "pipeline_parallel_size", 1) or 1)
         self.world_size = self.tp_size * self.pp_size
+        self.output_rank = self.world_size - self.tp_size  # the last stage samples and answers
         _check_split(source.arch_config, self.tp_size, self.pp_size, device)
         self.lora_manager = None  # adapters live in the worker processes: use collective_rpc
         self._dead: str | None = None
@@ -238,16 +240,16 @@ class MultiprocExecutor(Executor):
     def _wait_step(self, step_id: int) -> StepResult:
         with self._lock:
             while step_id not in self._results:
-                self._pump(0)  # the driver (rank 0) returns the step results
+                self._pump(self.output_rank)  # only it returns the step results
             got = self._results.pop(step_id)
         if isinstance(got, ErrorMsg):
             cause = self._dead_peer()
-            if cause is not None:  # rank 0 failed because another rank left its collectives
+            if cause is not None:  # the output rank failed because another rank left its collectives
                 last = got.message.strip().splitlines()[-1] if got.message.strip() else ""
-                self._dead = f"{cause}; rank 0 then failed step {step_id}: {last}"
+                self._dead = f"{cause}; rank {self.output_rank} then failed step {step_id}: {last}"
                 logger.error("%s", self._dead)
                 raise WorkerDiedError(self._dead)
-            raise RuntimeError(f"step {step_id} failed in worker rank 0:\n{got.message}")
+            raise RuntimeError(f"step {step_id} failed in worker rank {self.output_rank}:\n{got.message}")
         return got
 
     def _dead_peer(self, grace_s: float = 2.0) -> str | None:
@@ -256,8 +258,8 @@ class MultiprocExecutor(Executor):
             return None
         deadline = time.monotonic() + grace_s
         while True:
-            for rank, proc in enumerate(self._procs[1:], start=1):
-                if not proc.is_alive():
+            for rank, proc in enumerate(self._procs):
+                if rank != self.output_rank and not proc.is_alive():
                     return f"worker rank {rank} (pid {proc.pid}) died ({_how(proc.exitcode)})"
             if time.monotonic() > deadline:
                 return None
@@ -426,7 +428,7 @@ def _worker_main(
                     step_id, step = item
                     try:
                         result = step.result()
-                        msg: Any = ResultMsg(result) if rank == 0 else None
+                        msg: Any = ResultMsg(result) if rank == tp_size * (pp_size - 1) else None
                     except Exception:  # noqa: BLE001 - reported to the executor
                         msg = ErrorMsg("step", step_id, traceback.format_exc())
                         if world_size > 1:  # this rank's state has left the others': stop (the executor sees it)

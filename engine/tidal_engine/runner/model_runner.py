@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from tidal_engine.config import EngineConfig
+from tidal_engine.distributed.parallel_state import get_parallel
 from tidal_engine.layers.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend, set_attention_backend
 from tidal_engine.lora.manager import create_lora_manager
 from tidal_engine.models.loader import ModelSource, load_model
@@ -172,8 +173,13 @@ class ModelRunner:
             seq_lens_cpu=[num_tokens],
         )
         with torch.inference_mode():
-            hidden = self.model(ids, positions, caches, meta)
-            self.model.compute_logits(hidden[-1:])
+            intermediate = None
+            if not self.model.is_first_stage:  # a stand-in for the previous stage's activations
+                zeros = torch.zeros(num_tokens, self.arch.hidden_size, dtype=self.dtype, device=self.device)
+                intermediate = (zeros, zeros.clone())
+            hidden = self.model(ids, positions, caches, meta, intermediate)
+            if self.model.is_last_stage:
+                self.model.compute_logits(hidden[-1:])
         del caches, hidden
 
     def _warm_up_kernels(self) -> None:
@@ -301,6 +307,8 @@ class ModelRunner:
         allow_graphs: bool = True,
     ) -> SampledTokens | None:
         width = self._width(step)
+        if get_parallel().pp_size > 1:
+            return self._execute_stage(step, width, sample_req_ids, grammar_bitmasks)
         bucket = self._graph_bucket(step, width) if allow_graphs else None
         mixed = self._mixed_bucket(step, width) if allow_graphs and bucket is None else None
         if mixed is not None:
@@ -331,6 +339,40 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden.index_select(0, sample_rows))
         return self._sample(logits, layout, staged, sample_req_ids, grammar_bitmasks)
 
+    def _execute_stage(
+        self, step: StepInput, width: int, sample_req_ids: list[str], grammar_bitmasks: dict[str, bytes] | None
+    ) -> SampledTokens | None:
+        """One pipeline stage's share of a step (eager): take the previous stage's activations,
+        run this stage's layers, hand them on; the last stage samples, and every stage gets the
+        sampled ids (the first feeds them to the next step; all keep the histories)."""
+        from tidal_engine.distributed.comm import broadcast_from_last_stage, pp_recv, pp_send
+        from tidal_engine.runner.sampler import SampledTokens
+
+        layout, staged = self._stage(step, width, None)
+        ids, positions, meta, sample_rows = self._views(layout, staged)
+        model = self.model
+        pp = get_parallel()
+        intermediate = None
+        if not model.is_first_stage:
+            shape = (int(ids.shape[0]), self.arch.hidden_size)
+            hidden_in, residual_in = pp_recv([shape, shape], self.dtype, self.device, pp.pp_rank - 1)
+            intermediate = (hidden_in, residual_in)
+        out = model(ids, positions, self.kv_caches, meta, intermediate)
+        if not model.is_last_stage:
+            pp_send(list(out), pp.pp_rank + 1)
+        if not layout.num_samples:
+            return None
+        if model.is_last_stage:
+            logits = model.compute_logits(out.index_select(0, sample_rows))
+            sampled = self._sample(logits, layout, staged, sample_req_ids, grammar_bitmasks)
+            broadcast_from_last_stage(sampled.device_ids.view(-1).long().contiguous())
+            return sampled
+        ids_out = torch.empty(layout.num_samples, dtype=torch.long, device=self.device)
+        broadcast_from_last_stage(ids_out)
+        a, b = layout.offsets()["sampled_rows"]
+        self.batch.last_sampled_dev.index_copy_(0, staged[a:b], ids_out)
+        return SampledTokens(ids_out)
+
     def _sample(
         self,
         logits: torch.Tensor,
@@ -350,6 +392,7 @@ class ModelRunner:
     def _graphs_wanted(self) -> bool:
         return (
             self.device.type == "cuda"
+            and get_parallel().pp_size == 1  # pipeline stages run eagerly (docs/parallelism.md)
             and not self.config.enforce_eager
             and getattr(self.backend, "name", "") == "triton"
         )
