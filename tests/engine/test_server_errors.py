@@ -133,7 +133,9 @@ CASES: list[tuple[str, str, str, dict[str, Any], int, str, str | None]] = [
      {"json": {"prompt": "x", "truncate_prompt_tokens": 1000}}, 400, "invalid_request_error",
      "truncate_prompt_tokens"),
     # vLLM fields that need engine support Tidal lacks: refused unless "off".
-    ("prompt_logprobs", "POST", "/v1/completions", {"json": {"prompt": "x", "prompt_logprobs": 1}}, 400,
+    ("prompt_logprobs_streamed", "POST", "/v1/completions",
+     {"json": {"prompt": "x", "prompt_logprobs": 1, "stream": True}}, 400, "invalid_request_error", "prompt_logprobs"),
+    ("prompt_logprobs_100", "POST", "/v1/completions", {"json": {"prompt": "x", "prompt_logprobs": 100}}, 400,
      "invalid_request_error", "prompt_logprobs"),
     ("allowed_token_ids_outside_vocab", "POST", "/v1/completions",
      {"json": {"prompt": "x", "allowed_token_ids": [10**9]}}, 400, "invalid_request_error", "allowed_token_ids"),

@@ -218,3 +218,29 @@ def test_bad_words(client: httpx.Client) -> None:
     banned = complete(client, logprobs=0, max_tokens=8, bad_words=[word])["choices"][0]
     assert banned["logprobs"]["tokens"][0] == free[0]
     assert free[1] not in banned["logprobs"]["tokens"] and word not in banned["text"]
+
+
+def test_prompt_logprobs_match_the_model(client: httpx.Client) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from test_server_support import tiny_model_dir
+
+    prompt = "the tide comes in"
+    ids = tokenize(client, prompt=prompt)
+    data = complete(client, prompt=prompt, prompt_logprobs=2, max_tokens=2)
+    entries = data["choices"][0]["prompt_logprobs"]
+    assert len(entries) == len(ids) and entries[0] is None
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir(), torch_dtype=torch.float32)
+    with torch.no_grad():
+        expected = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    for i in range(1, len(ids)):
+        entry = entries[i]
+        assert abs(entry[str(ids[i])]["logprob"] - expected[i - 1, ids[i]].item()) < 1e-3
+        top = torch.topk(expected[i - 1], 2).indices.tolist()
+        assert set(map(str, top)) <= set(entry) and len(entry) <= 3
+        ranked = sorted(entry.values(), key=lambda e: e["rank"])
+        assert ranked[0]["rank"] == 1
+    chat_data = chat(client, prompt_logprobs=0, max_tokens=1)
+    assert len(chat_data["prompt_logprobs"]) == chat_data["usage"]["prompt_tokens"]
+    assert complete(client)["choices"][0]["prompt_logprobs"] is None

@@ -54,8 +54,8 @@ class SamplingFields(_Request):
     include_stop_str_in_output: bool = False
     # Keep only the last k prompt tokens (vLLM; -1: the context length).
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
-    # vLLM's extra that needs engine support Tidal lacks: accepted only with its "off" value.
-    prompt_logprobs: Annotated[int, Field(ge=-1)] | None = None
+    # The top-k alternatives at every prompt position (vLLM); see prompt_logprobs.py.
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     allowed_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] | None = None
     bad_words: list[Annotated[str, Field(min_length=1)]] | None = None
     priority: int = 0  # lower runs first; needs --scheduling-policy priority
@@ -86,8 +86,6 @@ class SamplingFields(_Request):
             bad.append("logit_bias")
         if self.best_of is not None and self.best_of != self.n:
             bad.append("best_of")
-        if self.prompt_logprobs is not None:
-            bad.append("prompt_logprobs")
         return bad
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
@@ -402,6 +400,8 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # vLLM's: one entry per prompt token (None first), {token id: {logprob, rank, decoded_token}}.
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -460,6 +460,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None  # vLLM's, as in completions
 
 
 class DeltaFunctionCall(BaseModel):

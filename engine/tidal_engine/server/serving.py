@@ -68,6 +68,8 @@ from tidal_engine.server.protocol import (
     UsageInfo,
     SamplingFields,
 )
+from tidal_engine.server.prompt_logprobs import check as check_prompt_logprobs
+from tidal_engine.server.prompt_logprobs import prompt_logprobs
 from tidal_engine.server.reasoning import get_reasoning_parser
 from tidal_engine.server.tool_parsers import get_tool_parser
 from tidal_engine.server.tool_parsers.forced import RequiredChoiceParser, named_constraint, required_constraint
@@ -320,6 +322,12 @@ class OpenAIServing:
                 param,
             )
 
+    def check_prompt_logprobs(self, prompts: list[list[int]], stream: bool) -> None:
+        for ids in prompts:
+            problem = check_prompt_logprobs(len(ids), stream)
+            if problem is not None:
+                raise bad_request(problem + ".", "prompt_logprobs")
+
     def truncate(self, token_ids: list[int], keep: int | None) -> list[int]:
         """truncate_prompt_tokens: the last `keep` tokens (-1: as many as the context holds)."""
         if keep is None:
@@ -448,6 +456,8 @@ class OpenAIServing:
             self.check_max_tokens(len(ids), request.max_tokens, "max_tokens")
             prompts.append(ids)
         params = self.sampling_params(request, self.default_max_tokens(request.max_tokens), request.logprobs)
+        if request.prompt_logprobs is not None:
+            self.check_prompt_logprobs(prompts, request.stream)  # type: ignore[arg-type]
         base_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         streams = await self.submit(base_id, prompts, params, request.cache_salt, lora_name)
@@ -456,6 +466,11 @@ class OpenAIServing:
                 self._completion_stream(request, streams, texts, base_id, created), media_type="text/event-stream"
             )
         outputs = await cancel_on_disconnect(raw, self.final_outputs(streams))
+        prompt_lps = [None] * len(prompts)
+        if request.prompt_logprobs is not None:
+            prompt_lps = await cancel_on_disconnect(raw, asyncio.gather(*(
+                prompt_logprobs(self, ids, request.prompt_logprobs, request.cache_salt, lora_name)  # type: ignore[arg-type]
+                for ids in prompts)))
         choices: list[CompletionChoice] = []
         for prompt_idx, output in enumerate(outputs):
             prompt_text = self._prompt_text(output, texts[prompt_idx]) if request.echo else ""
@@ -468,6 +483,7 @@ class OpenAIServing:
                                                            request.logprobs, 0),
                         finish_reason=completion.finish_reason,
                         stop_reason=completion.stop_reason,
+                        prompt_logprobs=prompt_lps[prompt_idx],
                     )
                 )
         return JSONResponse(
@@ -671,6 +687,8 @@ class OpenAIServing:
         plan, params, prompt_ids, lora_name = prepared.plan, prepared.params, prepared.prompt_ids, prepared.lora_name
         top = request.top_logprobs or 0
         echo = self._chat_echo(request)
+        if request.prompt_logprobs is not None:
+            self.check_prompt_logprobs([prompt_ids], request.stream)
         base_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         streams = await self.submit(base_id, [prompt_ids], params, request.cache_salt, lora_name)
@@ -679,6 +697,10 @@ class OpenAIServing:
                 self._chat_stream(request, streams[0], plan, echo, base_id, created), media_type="text/event-stream"
             )
         (output,) = await cancel_on_disconnect(raw, self.final_outputs(streams))
+        prompt_lps = None
+        if request.prompt_logprobs is not None:
+            prompt_lps = await cancel_on_disconnect(raw, prompt_logprobs(
+                self, prompt_ids, request.prompt_logprobs, request.cache_salt, lora_name))
         choices = []
         for c in output.outputs:
             message, called = plan.message(c.text)
@@ -694,7 +716,7 @@ class OpenAIServing:
         return JSONResponse(
             ChatCompletionResponse(
                 id=base_id, created=created, model=self.response_model(request.model), choices=choices,
-                usage=_usage([output]),
+                usage=_usage([output]), prompt_logprobs=prompt_lps,
             ).model_dump()
         )
 
