@@ -38,7 +38,9 @@ logger = logging.getLogger(__name__)
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    logits: torch.Tensor  # [B, vocab] float32, written by each replay
+    # [B, vocab] float32 logits, written by each replay; a pipeline stage before the last
+    # gives its (hidden, residual) instead.
+    logits: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 
 class DecodeGraphs:
@@ -59,6 +61,13 @@ class DecodeGraphs:
         self.scalars = torch.zeros(self._scalars_end(max_b), dtype=torch.int64, device=device)
         self.block_tables = torch.zeros(max_b, max_blocks_per_seq, dtype=torch.int64, device=device)
         self.graphs: dict[int, _Graph] = {}
+        # Pipeline stages after the first read the previous stage's activations from here.
+        self.stage_input: tuple[torch.Tensor, torch.Tensor] | None = None
+        if not getattr(model, "is_first_stage", True):
+            hidden_size = model.config.hidden_size  # type: ignore[attr-defined]
+            dtype = next(model.parameters()).dtype
+            self.stage_input = (torch.zeros(max_b, hidden_size, dtype=dtype, device=device),
+                                torch.zeros(max_b, hidden_size, dtype=dtype, device=device))
         self.capture_seconds = 0.0
         self.num_replays = 0
 
@@ -92,9 +101,14 @@ class DecodeGraphs:
         self._span(b, "query_start_loc").copy_(torch.arange(b + 1, device=self.device))
         self.block_tables[:b].zero_()
 
-    def _forward(self, b: int) -> torch.Tensor:
+    def _forward(self, b: int) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         ids, pos, meta = self._meta(b)
-        hidden = self.model(ids, pos, self.kv_caches, meta)
+        if self.stage_input is None:
+            hidden = self.model(ids, pos, self.kv_caches, meta)
+        else:
+            hidden = self.model(ids, pos, self.kv_caches, meta, (self.stage_input[0][:b], self.stage_input[1][:b]))
+        if not getattr(self.model, "is_last_stage", True):
+            return hidden  # (hidden, residual) for the next stage
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
@@ -118,13 +132,21 @@ class DecodeGraphs:
         logger.info("captured %d decode CUDA graphs (batch %d..%d) in %.2f s",
                     len(self.graphs), self.sizes[0], self.sizes[-1], self.capture_seconds)
 
-    def replay(self, b: int, staged: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    def replay(
+        self, b: int, staged: torch.Tensor, block_tables: torch.Tensor,
+        stage_input: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Run bucket ``b`` on a padded step staged on the device (layout of fill_step with
         T = S = b) and its ``[b, width]`` block table (gathered from the persistent batch);
-        returns the [b, vocab] float32 logits."""
+        returns the [b, vocab] float32 logits (a stage before the last: its activations).
+        ``stage_input``: the previous pipeline stage's ``[b, hidden]`` activations."""
         end = self._scalars_end(b)
         self.scalars[:end].copy_(staged[:end])
         self.block_tables[:b, : block_tables.shape[1]].copy_(block_tables)
+        if stage_input is not None:
+            assert self.stage_input is not None
+            self.stage_input[0][:b].copy_(stage_input[0])
+            self.stage_input[1][:b].copy_(stage_input[1])
         entry = self.graphs[b]
         entry.graph.replay()
         self.num_replays += 1

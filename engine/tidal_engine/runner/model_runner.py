@@ -348,7 +348,8 @@ class ModelRunner:
         from tidal_engine.distributed.comm import broadcast_from_last_stage, pp_recv, pp_send
         from tidal_engine.runner.sampler import SampledTokens
 
-        layout, staged = self._stage(step, width, None)
+        bucket = self._graph_bucket(step, width)  # decode steps replay this stage's graph
+        layout, staged = self._stage(step, width, bucket)
         ids, positions, meta, sample_rows = self._views(layout, staged)
         model = self.model
         pp = get_parallel()
@@ -357,13 +358,21 @@ class ModelRunner:
             shape = (int(ids.shape[0]), self.arch.hidden_size)
             hidden_in, residual_in = pp_recv([shape, shape], self.dtype, self.device, pp.pp_rank - 1)
             intermediate = (hidden_in, residual_in)
-        out = model(ids, positions, self.kv_caches, meta, intermediate)
+        if bucket is not None:
+            assert self.graphs is not None
+            out = self.graphs.replay(bucket, staged, self._block_tables(layout, staged), intermediate)
+        else:
+            out = model(ids, positions, self.kv_caches, meta, intermediate)
         if not model.is_last_stage:
             pp_send(list(out), pp.pp_rank + 1)
         if not layout.num_samples:
             return None
         if model.is_last_stage:
-            logits = model.compute_logits(out.index_select(0, sample_rows))
+            if bucket is not None:  # the graph gave the logits of every (padded) row
+                a, b = layout.offsets()["sample_rows"]
+                logits = out.index_select(0, staged[a:b])
+            else:
+                logits = model.compute_logits(out.index_select(0, sample_rows))
             sampled = self._sample(logits, layout, staged, sample_req_ids, grammar_bitmasks)
             broadcast_from_last_stage(sampled.device_ids.view(-1).long().contiguous())
             return sampled
@@ -392,7 +401,6 @@ class ModelRunner:
     def _graphs_wanted(self) -> bool:
         return (
             self.device.type == "cuda"
-            and get_parallel().pp_size == 1  # pipeline stages run eagerly (docs/parallelism.md)
             and not self.config.enforce_eager
             and getattr(self.backend, "name", "") == "triton"
         )
@@ -406,7 +414,7 @@ class ModelRunner:
         graphs = DecodeGraphs(self.model, self.kv_caches, self.cuda_graph_sizes, max_blocks, self.device)
         graphs.capture()
         self.graphs = graphs
-        if self.config.mixed_cuda_graphs:
+        if self.config.mixed_cuda_graphs and get_parallel().pp_size == 1:  # pipeline stages: prefill runs eagerly
             token_sizes = default_mixed_token_sizes(self.config.max_num_batched_tokens or 2048)
             mixed = MixedGraphs(self.model, self.kv_caches, token_sizes, self.config.max_num_seqs, max_blocks, self.device)
             mixed.capture()
