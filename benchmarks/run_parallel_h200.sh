@@ -5,7 +5,7 @@
 #
 #   run(kind="nvidia-h200-x2", command="bash benchmarks/run_parallel_h200.sh", carry=[".whl"])
 #
-# Knobs: CONFIGS (shape:tp:pp[:dummy] ...), SERVE=1 (served benchmark at TP=2 on qwen3-8b, greedy
+# Knobs: CONFIGS (shape:tp:pp[:dummy] ...), TEST_FILES, SERVE=1 (served benchmark at TP=2 on qwen3-8b, greedy
 # workload), TESTS=1, T_CONFIG=200 (limit per configuration, seconds). Results in $OUT (at most 8 files).
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
@@ -13,6 +13,7 @@ exec > >(tee -a "$OUT/run.log") 2>&1
 PY=${PY:-python3}
 CONFIGS=${CONFIGS:-qwen3-8b:1:1 qwen3-8b:2:1 qwen3-32b:2:1:dummy}
 SERVE=${SERVE:-1}; TESTS=${TESTS:-1}; T_CONFIG=${T_CONFIG:-200}
+TEST_FILES=${TEST_FILES:-tests/engine/test_tensor_parallel_gpu.py tests/engine/test_gemv.py tests/engine/test_cuda_graphs.py}
 export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 T0=$(date +%s)
 stamp() { echo "=== [+$(( $(date +%s) - T0 ))s $(date -u +%T)] $*"; }
@@ -23,8 +24,8 @@ export PYTHONPATH=$PWD/engine:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 if [ "$TESTS" = 1 ]; then
   stamp "GPU tests"
-  timeout 240 $PY -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_tensor_parallel_gpu.py \
-      tests/engine/test_gemv.py tests/engine/test_cuda_graphs.py > "$OUT/gpu-tests.log" 2>&1
+  # shellcheck disable=SC2086
+  timeout 240 $PY -m pytest -q -p no:cacheprovider -m gpu $TEST_FILES > "$OUT/gpu-tests.log" 2>&1
   echo "pytest exit $?"; tail -n 25 "$OUT/gpu-tests.log"
 fi
 for c in $CONFIGS; do
