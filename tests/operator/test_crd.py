@@ -254,7 +254,6 @@ CEL_BAD_CASES = [
     ({**BASE, "autoscaling": {"minReplicas": 4, "maxReplicas": 3, "target": 1}}, "m", "minReplicas"),
     ({**BASE, "autoscaling": {"maxReplicas": 3, "target": 5, "metric": "kvCacheUsage"}}, "m", "fraction"),
     ({**BASE, "engine": {"resources": {"gpu": 2}}}, "m", "tensor x"),
-    ({**BASE, "parallelism": {"tensor": 2}}, "m", "needs GPUs"),
     ({**BASE, "engine": {"resources": {"gpu": 2}}, "parallelism": {"tensor": 4}}, "m", "tensor x"),
     ({"model": {"uri": "s3://bucket/model"}}, "m", "scheme"),
     ({"model": {"uri": "hf://just-a-name"}}, "m", "hf://org/name"),

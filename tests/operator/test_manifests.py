@@ -169,7 +169,7 @@ def test_gpu_pod() -> None:
     assert c["resources"]["limits"]["nvidia.com/gpu"] == "2" == c["resources"]["requests"]["nvidia.com/gpu"]
     volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
     assert volumes["model"]["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
-    assert volumes["dshm"]["emptyDir"] == {"medium": "Memory"}
+    assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "2Gi"}  # 1Gi per rank
     mounts = {m["name"]: m for m in c["volumeMounts"]}
     assert mounts["model"] == {"name": "model", "mountPath": "/models/models", "readOnly": True}
     assert mounts["dshm"]["mountPath"] == "/dev/shm"

@@ -218,3 +218,8 @@ def test_only_owned_fields_are_returned() -> None:
 def test_desired_replicas(spec: dict[str, Any], previous: dict[str, Any] | None, expected: int) -> None:
     parsed = LLMServiceSpec.from_body({"model": {"uri": "bundled://smollm2-135m"}, **spec})
     assert desired_replicas(parsed, previous) == expected
+
+
+def test_status_shows_the_parallelism() -> None:
+    body = llm({"model": {"uri": "bundled://smollm2-135m"}, "parallelism": {"tensor": 2}})
+    assert compute([pod(0)], body)["parallelism"] == "tp=2 pp=1"  # kubectl get llm -o wide shows it

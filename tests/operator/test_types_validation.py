@@ -92,9 +92,17 @@ def test_tensor_pipeline_mismatch_with_gpus_asked() -> None:
     assert "2 GPU" in p.message and "= 4" in p.message
 
 
-def test_parallelism_without_gpus() -> None:
-    p = only({**BASE, "parallelism": {"tensor": 2}})
-    assert p.reason == "GPUCountMismatch" and "engine.resources.gpu: 2" in p.message
+def test_cpu_engines_may_run_tensor_and_pipeline_ranks() -> None:
+    # No GPUs asked: the ranks are gloo processes on the CPU (as vLLM's CPU backend allows).
+    assert problems({**BASE, "parallelism": {"tensor": 2, "pipeline": 2}}) == []
+
+
+def test_more_gpus_than_a_node_offers_is_refused() -> None:
+    spec = {**BASE, "engine": {"resources": {"gpu": 16}}, "parallelism": {"tensor": 8, "pipeline": 2}}
+    p = only(spec)
+    assert p.reason == "TooManyGPUsPerNode" and p.field == "spec.parallelism"
+    assert "16 GPUs" in p.message and "(8)" in p.message and "across nodes" in p.message
+    assert problems(spec, config=OperatorConfig(max_gpus_per_node=16)) == []
 
 
 def test_negative_replicas() -> None:

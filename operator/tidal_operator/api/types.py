@@ -246,6 +246,9 @@ class OperatorConfig:
     allowed_adapter_uri_prefixes: tuple[str, ...] = ("hf://", "pvc://", "bundled://")
     allowed_file_roots: tuple[str, ...] = ()
     namespace: str | None = None  # None: all namespaces
+    # The most GPUs one node offers: an engine Pod (tensor x pipeline GPUs) must fit on one node
+    # (multi-node parallelism is not built).
+    max_gpus_per_node: int = 8
     cluster_domain: str = "cluster.local"
     termination_grace_period_seconds: int = 60
     # Seconds the preStop hook waits so endpoints and the router stop sending before SIGTERM.

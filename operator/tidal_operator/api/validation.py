@@ -92,7 +92,7 @@ def validate_spec(
             problems.append(p)
         return problems
     problems += _check_model(parsed, name)
-    problems += _check_parallelism(parsed)
+    problems += _check_parallelism(parsed, config)
     problems += _check_resources(parsed)
     problems += _check_scaling(parsed)
     problems += _check_sleep(parsed)
@@ -146,7 +146,9 @@ def check_model_uri(uri: str, field: str) -> ValidationProblem | None:
     return None
 
 
-def _check_parallelism(spec: LLMServiceSpec) -> list[ValidationProblem]:
+def _check_parallelism(spec: LLMServiceSpec, config: OperatorConfig) -> list[ValidationProblem]:
+    """GPU engines need exactly tensor x pipeline GPUs, all on one node; CPU engines (no GPUs)
+    may run tensor or pipeline ranks too (gloo, as vLLM's CPU backend does)."""
     world = spec.parallelism.world_size
     gpu = spec.engine.resources.gpu or 0
     if gpu > 0 and gpu != world:
@@ -155,11 +157,12 @@ def _check_parallelism(spec: LLMServiceSpec) -> list[ValidationProblem]:
             f"asks for {gpu} GPU(s) but tensor ({spec.parallelism.tensor}) x pipeline "
             f"({spec.parallelism.pipeline}) = {world}: each engine Pod needs exactly "
             "tensor x pipeline GPUs", "GPUCountMismatch")]
-    if gpu == 0 and world > 1:
+    if gpu > config.max_gpus_per_node:
         return [ValidationProblem(
             "spec.parallelism",
-            f"tensor x pipeline = {world} needs GPUs: set spec.engine.resources.gpu: {world} "
-            "(the CPU engine runs in one process)", "GPUCountMismatch")]
+            f"tensor x pipeline = {world} GPUs per engine Pod, more than one node offers "
+            f"({config.max_gpus_per_node}); parallelism across nodes is not supported",
+            "TooManyGPUsPerNode")]
     return []
 
 

@@ -13,6 +13,7 @@ ENV_ADAPTER_PREFIXES = "TIDAL_ALLOWED_ADAPTER_URI_PREFIXES"
 ENV_FILE_ROOTS = "TIDAL_ALLOWED_FILE_ROOTS"
 ENV_NAMESPACE = "TIDAL_NAMESPACE"
 ENV_RESYNC = "TIDAL_RESYNC_SECONDS"
+ENV_MAX_GPUS_PER_NODE = "TIDAL_MAX_GPUS_PER_NODE"
 ENV_KUBECONFIG = "KUBECONFIG"
 
 
@@ -29,6 +30,7 @@ def config_from_env(env: Mapping[str, str] | None = None) -> OperatorConfig:
         allowed_adapter_uri_prefixes=_csv(env.get(ENV_ADAPTER_PREFIXES)) or base.allowed_adapter_uri_prefixes,
         allowed_file_roots=_csv(env.get(ENV_FILE_ROOTS)) or base.allowed_file_roots,
         namespace=env.get(ENV_NAMESPACE) or None,
+        max_gpus_per_node=int(env.get(ENV_MAX_GPUS_PER_NODE) or base.max_gpus_per_node),
     )
 
 

@@ -267,8 +267,10 @@ def pod_manifest(llm: Mapping[str, Any], index: int, config: OperatorConfig) -> 
     volumes = list(src.volumes)
     mounts = list(src.mounts)
     if spec.parallelism.world_size > 1:
-        # NCCL exchanges tensors through shared memory; the runtime's default 64Mi is too small.
-        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
+        # NCCL (and gloo on CPU) exchange tensors through shared memory; the runtime's default
+        # 64Mi is too small. 1Gi per rank, counted against the Pod's memory.
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory",
+                                                     "sizeLimit": f"{spec.parallelism.world_size}Gi"}})
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
     if spec.lora is not None:
         # Where the engine puts adapters it downloads at run time (LoRA changes don't restart Pods).

@@ -193,6 +193,7 @@ def compute_status(
         replicas=len(alive), readyReplicas=len(ready), updatedReplicas=len(updated), desiredReplicas=want,
         sleepingReplicas=len(sleeping), replicasText=f"{len(ready)}/{want}", selector=L.selector_string(name),
         servedModelName=parsed.served_name(name), specHash=hash_,
+        parallelism=f"tp={parsed.parallelism.tensor} pp={parsed.parallelism.pipeline}",
         endpoint=endpoint_url(name, namespace, port, config.cluster_domain),
         podEndpoints=[{"name": p["metadata"]["name"], "url": f"http://{p['status']['podIP']}:{port}/v1",
                        "ready": v.ready, "sleepState": v.sleep_state}
