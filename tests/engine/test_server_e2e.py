@@ -1,8 +1,10 @@
-"""Acceptance: the real `openai` client against `tidal-engine serve smollm2-135m` in a subprocess."""
+"""Acceptance: the real `openai` client against `tidal-engine serve smollm2-135m` in a subprocess
+(chat, completions, concurrency, disconnects, sleep, tools, reasoning, the Responses API, SIGTERM)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import signal
@@ -12,6 +14,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -20,6 +23,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from test_server_support import free_port, wait_for_health, wait_until  # noqa: E402
+from tool_chat_template import TIME_TOOL, TOOL_TEMPLATE, WEATHER_TOOL  # noqa: E402
 
 from tidal_engine.server.metrics import metric_value  # noqa: E402
 
@@ -33,7 +37,8 @@ def serve_command() -> list[str]:
     script = Path(sys.executable).parent / "tidal-engine"
     base = [str(script)] if script.exists() else [shutil.which("tidal-engine") or "tidal-engine"]
     return base + ["serve", MODEL, "--dtype", "float32", "--device", "cpu", "--max-model-len", "1024",
-                   "--kv-cache-memory-bytes", "64M", "--enable-sleep-mode", "--shutdown-timeout", "60"]
+                   "--kv-cache-memory-bytes", "64M", "--enable-sleep-mode", "--shutdown-timeout", "60",
+                   "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"]
 
 
 class Server:
@@ -182,6 +187,106 @@ def test_sleep_wake_keeps_greedy_answer(client: openai.OpenAI, server: Server, l
     assert httpx.post(f"{server.url}/wake_up", timeout=120).status_code == 200
     print(f"wake from level {level}: {time.monotonic() - started:.2f}s")
     assert ask() == before
+
+
+# ---------------------------------------------------------------------- tools, reasoning, Responses
+# SmolLM2 knows no tools: a Hermes-style test template (sent per request as chat_template) and
+# the server's hermes parser stand in for Qwen's. With --reasoning-parser, constraints start
+# after </think>; SmolLM2 never thinks, so the template closes the reasoning in the prompt
+# (Qwen3's enable_thinking false).
+TOOL_QUESTION = [{"role": "user", "content": "What is the weather in Paris, in celsius?"}]
+TOOLS: list[Any] = [WEATHER_TOOL, TIME_TOOL]
+TOOL_BODY = {"chat_template": TOOL_TEMPLATE, "chat_template_kwargs": {"enable_thinking": False}}
+
+
+def reassemble(chunks: list[Any]) -> tuple[str | None, str | None, list[tuple[str, str]], str | None]:
+    """(content, reasoning_content, [(name, arguments)], finish_reason) from streamed chunks."""
+    content, reasoning, finish = "", "", None
+    calls: dict[int, list[str]] = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            delta = choice.delta
+            content += delta.content or ""
+            reasoning += getattr(delta, "reasoning_content", None) or ""
+            for piece in delta.tool_calls or []:
+                if piece.id is not None:
+                    assert piece.index not in calls and piece.function.name
+                    calls[piece.index] = [piece.function.name, ""]
+                calls[piece.index][1] += piece.function.arguments or ""
+            finish = choice.finish_reason or finish
+    return content or None, reasoning or None, [tuple(calls[i]) for i in sorted(calls)], finish  # type: ignore[misc]
+
+
+def plain_and_streamed(client: openai.OpenAI, **kwargs: Any) -> Any:
+    kwargs["extra_body"] = {**TOOL_BODY, **kwargs.get("extra_body", {})}
+    messages = kwargs.pop("messages", TOOL_QUESTION)
+    plain = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, **kwargs)
+    streamed = reassemble(list(client.chat.completions.create(
+        model=MODEL, messages=messages, temperature=0, stream=True, **kwargs)))
+    message = plain.choices[0].message
+    calls = [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
+    assert streamed == (message.content, getattr(message, "reasoning_content", None), calls,
+                        plain.choices[0].finish_reason)
+    return plain
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}},
+                                         "none"], ids=["required", "named", "none"])
+def test_tool_choice_plain_and_streamed(client: openai.OpenAI, tool_choice: Any) -> None:
+    plain = plain_and_streamed(client, tools=TOOLS, tool_choice=tool_choice, max_tokens=40,
+                               parallel_tool_calls=False, extra_body=TOOL_BODY)
+    message = plain.choices[0].message
+    if tool_choice == "none":
+        assert message.content and not message.tool_calls
+        return
+    (call,) = message.tool_calls
+    arguments = json.loads(call.function.arguments)
+    if call.function.name == "get_weather":
+        assert arguments["city"] in ("Paris", "Rome", "Oslo") and arguments["unit"] in ("celsius", "fahrenheit")
+    else:
+        assert call.function.name == "get_time" and arguments["zone"] in ("UTC", "CET")
+    assert plain.choices[0].finish_reason == ("tool_calls" if tool_choice == "required" else "stop")
+
+
+def test_agent_loop(client: openai.OpenAI) -> None:
+    first = client.chat.completions.create(model=MODEL, messages=TOOL_QUESTION, tools=TOOLS, temperature=0, max_tokens=40,
+                                           tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                           extra_body=TOOL_BODY)
+    assistant = first.choices[0].message
+    call = assistant.tool_calls[0]
+    messages = [*TOOL_QUESTION, assistant.model_dump(exclude_none=True),
+                {"role": "tool", "tool_call_id": call.id, "content": "It is 18 degrees and sunny in Paris."}]
+    final = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, tool_choice="none",
+                                           temperature=0, max_tokens=30, extra_body=TOOL_BODY)
+    assert final.choices[0].message.content and not final.choices[0].message.tool_calls
+
+
+def test_auto_with_hermes_and_reasoning(client: openai.OpenAI) -> None:
+    # SmolLM2 writes neither on its own: a regex makes it write Qwen's format.
+    regex = ('<think>The user wants the weather\\.</think>'
+             '<tool_call>\\{"name": "get_weather", "arguments": \\{"city": "Paris", "unit": "celsius"\\}\\}</tool_call>')
+    plain = plain_and_streamed(client, tools=TOOLS, max_tokens=150,
+                               extra_body={"structured_outputs": {"regex": regex}, **TOOL_BODY})
+    message = plain.choices[0].message
+    assert message.reasoning_content == "The user wants the weather.", message
+    assert message.tool_calls, message
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == \
+        [("get_weather", {"city": "Paris", "unit": "celsius"})]
+    assert plain.choices[0].finish_reason == "tool_calls"
+
+
+def test_responses_create_and_stream(client: openai.OpenAI) -> None:
+    created = client.responses.create(model=MODEL, input="What is the capital of France?",
+                                      instructions="Answer in one word.", max_output_tokens=12, temperature=0,
+                                      store=False)
+    assert "Paris" in created.output_text
+    with client.responses.stream(model=MODEL, input="What is the capital of France?",
+                                 instructions="Answer in one word.", max_output_tokens=12, temperature=0,
+                                 store=False) as stream:
+        events = list(stream)
+    final = events[-1].response
+    assert final.output_text == created.output_text
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == created.output_text
 
 
 def test_sigterm_drains_in_flight_then_exits(server: Server) -> None:
