@@ -244,3 +244,18 @@ def test_prompt_logprobs_match_the_model(client: httpx.Client) -> None:
     chat_data = chat(client, prompt_logprobs=0, max_tokens=1)
     assert len(chat_data["prompt_logprobs"]) == chat_data["usage"]["prompt_tokens"]
     assert complete(client)["choices"][0]["prompt_logprobs"] is None
+
+
+def test_echo_with_logprobs_starts_with_the_prompt(client: httpx.Client) -> None:
+    prompt = "the tide comes in"
+    plain = complete(client, prompt=prompt, logprobs=1, max_tokens=3)["choices"][0]["logprobs"]
+    data = complete(client, prompt=prompt, logprobs=1, max_tokens=3, echo=True)
+    logprobs, usage = data["choices"][0]["logprobs"], data["usage"]
+    num_prompt = usage["prompt_tokens"]
+    assert len(logprobs["tokens"]) == num_prompt + 3
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    assert all(isinstance(v, float) for v in logprobs["token_logprobs"][1:])
+    assert logprobs["tokens"][num_prompt:] == plain["tokens"]
+    assert logprobs["token_logprobs"][num_prompt:] == plain["token_logprobs"]
+    assert logprobs["text_offset"][num_prompt] == len(prompt)
+    assert data["choices"][0]["text"].startswith(prompt)

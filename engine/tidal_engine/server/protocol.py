@@ -181,8 +181,8 @@ class CompletionRequest(SamplingFields):
         bad = super().unsupported_fields()
         if self.suffix:
             bad.append("suffix")
-        if self.echo and self.logprobs is not None:
-            bad.append("echo with logprobs (needs prompt logprobs)")
+        if self.echo and self.logprobs is not None and self.stream:
+            bad.append("echo with logprobs while streaming")
         return bad
 
 

@@ -456,7 +456,8 @@ class OpenAIServing:
             self.check_max_tokens(len(ids), request.max_tokens, "max_tokens")
             prompts.append(ids)
         params = self.sampling_params(request, self.default_max_tokens(request.max_tokens), request.logprobs)
-        if request.prompt_logprobs is not None:
+        echo_logprobs = request.echo and request.logprobs is not None  # the prompt's logprobs come first
+        if request.prompt_logprobs is not None or echo_logprobs:
             self.check_prompt_logprobs(prompts, request.stream)  # type: ignore[arg-type]
         base_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
@@ -471,16 +472,26 @@ class OpenAIServing:
             prompt_lps = await cancel_on_disconnect(raw, asyncio.gather(*(
                 prompt_logprobs(self, ids, request.prompt_logprobs, request.cache_salt, lora_name)  # type: ignore[arg-type]
                 for ids in prompts)))
+        echo_lps: list[Any] = [None] * len(prompts)
+        if echo_logprobs:
+            echo_lps = list(prompt_lps) if request.prompt_logprobs == request.logprobs else \
+                await cancel_on_disconnect(raw, asyncio.gather(*(
+                    prompt_logprobs(self, ids, request.logprobs, request.cache_salt, lora_name)  # type: ignore[arg-type]
+                    for ids in prompts)))
         choices: list[CompletionChoice] = []
         for prompt_idx, output in enumerate(outputs):
             prompt_text = self._prompt_text(output, texts[prompt_idx]) if request.echo else ""
             for completion in output.outputs:
+                logprobs = self._completion_logprobs(completion, 0, len(completion.token_ids), request.logprobs,
+                                                     len(prompt_text))
+                if echo_logprobs and logprobs is not None:
+                    logprobs = self._echo_logprobs(prompts[prompt_idx], echo_lps[prompt_idx], logprobs,  # type: ignore[arg-type]
+                                                   request.logprobs or 0)
                 choices.append(
                     CompletionChoice(
                         index=prompt_idx * request.n + completion.index,
                         text=prompt_text + completion.text,
-                        logprobs=self._completion_logprobs(completion, 0, len(completion.token_ids),
-                                                           request.logprobs, 0),
+                        logprobs=logprobs,
                         finish_reason=completion.finish_reason,
                         stop_reason=completion.stop_reason,
                         prompt_logprobs=prompt_lps[prompt_idx],
@@ -492,6 +503,27 @@ class OpenAIServing:
                 usage=_usage(outputs),
             ).model_dump()
         )
+
+    def _echo_logprobs(self, prompt_ids: list[int], entries: list[Any], generated: CompletionLogprobs,
+                       k: int) -> CompletionLogprobs:
+        """vLLM's echo with logprobs: the prompt's tokens first (the first has no logprob)."""
+        result = CompletionLogprobs()
+        offset = 0
+        for token_id, entry in zip(prompt_ids, entries):
+            token = self.tokenizer.decode([token_id])
+            result.tokens.append(token)
+            result.text_offset.append(offset)
+            offset += len(token)
+            if entry is None:
+                result.token_logprobs.append(None)
+                result.top_logprobs.append(None)
+                continue
+            result.token_logprobs.append(entry[str(token_id)]["logprob"])
+            ranked = sorted(entry.values(), key=lambda e: e["rank"] or 10**9)
+            result.top_logprobs.append({e["decoded_token"]: e["logprob"] for e in ranked if (e["rank"] or k + 1) <= k})
+        for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            getattr(result, name).extend(getattr(generated, name))
+        return result
 
     def _completion_prompts(self, prompt: Any) -> list[str | list[int]]:
         if isinstance(prompt, str):
