@@ -168,8 +168,8 @@ class EngineCore:
         self.lora_manager: LoRAManager | None = getattr(self.executor, "lora_manager", None)
         if config.enable_lora and self.lora_manager is None:
             self.executor.shutdown()
-            raise ValueError("LoRA runs with the uni executor only for now: drop --distributed-executor-backend mp "
-                             "or --enable-lora")
+            raise ValueError("LoRA runs with the uni executor only for now (one rank): drop --distributed-executor-backend "
+                             "mp and tensor/pipeline parallelism, or --enable-lora")
         for lora_name, lora_path in (config.lora_modules or {}).items():
             self.add_lora(self.read_lora(lora_name, lora_path, at_startup=True))
         logger.info(
