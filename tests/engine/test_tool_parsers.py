@@ -149,3 +149,16 @@ def test_tool_calls_are_read_after_the_reasoning() -> None:
     content, reasoning, calls = stream(plan, text, 3)
     assert reasoning == message.reasoning_content and content is None
     assert [c["name"] for c in calls] == ["get_time"]
+
+
+def test_named_choice_cut_short_while_thinking_has_no_call() -> None:
+    plan = ChatOutputPlan(reasoning=get_reasoning_parser("deepseek_r1"), named_function="get_time")
+    message, called = plan.message("still thinking about it")
+    assert not called and message.tool_calls == [] and message.reasoning_content == "still thinking about it"
+    _, reasoning, calls = stream(plan, "still thinking about it", 4)
+    assert calls == [] and reasoning == "still thinking about it"
+    text = 'ok</think>{"zone": "UTC"}'
+    message, called = plan.message(text)
+    assert called and message.tool_calls[0].function.arguments == '{"zone": "UTC"}'
+    _, _, calls = stream(plan, text, 3)
+    assert calls == [{"arguments": '{"zone": "UTC"}', "id": calls[0]["id"], "name": "get_time"}]

@@ -23,7 +23,8 @@ class ChatOutputPlan:
         reasoning, content = self.reasoning.split(text, final=True) if self.reasoning else (None, text)
         calls: list[ParsedToolCall] = []
         if self.named_function is not None:
-            calls = [ParsedToolCall(self.named_function, content or "")]
+            # No text after the reasoning (cut short while thinking): no call either.
+            calls = [ParsedToolCall(self.named_function, content)] if content else []
             content = None
         elif self.tool_parser is not None and content:
             extracted = self.tool_parser.extract(content)

@@ -64,6 +64,8 @@ class NamedCallStreamer:
 
     def update(self, text: str, finished: bool) -> list[DeltaMessage]:
         deltas: list[DeltaMessage] = []
+        if not text:
+            return deltas  # the call opens with its first argument text, as the plain answer has one only then
         if not self.opened:
             deltas.append(_opening(0, self.id, self.name))
             self.opened = True
@@ -74,7 +76,7 @@ class NamedCallStreamer:
 
     @property
     def called(self) -> bool:
-        return True
+        return self.opened
 
 
 def _opening(index: int, call_id: str, name: str) -> DeltaMessage:
