@@ -113,6 +113,30 @@ def test_spec_change_rolls_with_surge_and_requests_keep_succeeding(real_stack: A
     assert len(results) >= 3 and all("Paris" in r for r in results), results
 
 
+def test_a_crash_looping_new_pod_is_a_visible_stuck_rollout_while_the_old_one_serves(real_stack: Any) -> None:
+    """An edit the engine can't start with: the new Pod crash-loops, the old one keeps serving,
+    and the LLMService says so (Progressing=False RolloutStuck, Degraded with the Pod's reason,
+    a Warning Event). Undoing the edit ends it without touching the old Pod."""
+    (old,) = real_stack.pods(NAME)
+    real_stack.kubectl("patch", "llm", NAME, "--type=merge", "-p",
+                       json.dumps({"spec": {"engine": {"args": ["--no-such-flag"]}}}))
+    progressing = real_stack.wait_for(
+        lambda: (c := real_stack.condition(NAME, "Progressing")).get("reason") == "RolloutStuck" and c,
+        120, "Progressing=False RolloutStuck")
+    assert progressing["status"] == "False"
+    degraded = real_stack.condition(NAME, "Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "CrashLoopBackOff"), degraded
+    assert real_stack.condition(NAME, "Ready")["status"] == "True"
+    assert [e for e in real_stack.events(NAME) if e["type"] == "Warning" and e["reason"] == degraded["reason"]]
+    assert "Paris" in real_stack.chat(real_stack.router_url, NAME, real_stack.api_key, timeout=60)
+
+    real_stack.kubectl("patch", "llm", NAME, "--type=merge", "-p", json.dumps({"spec": {"engine": {"args": []}}}))
+    real_stack.wait_for(lambda: [p["metadata"]["name"] for p in real_stack.pods(NAME)] == [old["metadata"]["name"]]
+                        and real_stack.condition(NAME, "Progressing").get("reason") == "Complete", 90,
+                        "the stuck Pod gone, the old one kept")
+    assert real_stack.condition(NAME, "Degraded")["status"] == "False"
+
+
 def test_generated_objects_pass_kubernetes_validate(real_stack: Any) -> None:
     objs = real_stack.pods(NAME) + [real_stack.get("service", NAME)]
     assert len(objs) == 2
