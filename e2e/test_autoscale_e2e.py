@@ -11,7 +11,8 @@ replicas) and short windows, walked through its whole life:
 3. idle → the replica sleeps (the engine says so, and status shows Sleeping);
 4. a request through the router wakes that same replica and gets the same greedy answer;
 5. longer idle → 0 Pods;
-6. a request through the router at zero is held, a Pod is created, and the request is answered;
+6. a request at zero through a second router replica (its demand reaches the operator only
+   through its own Lease) is held, a Pod is created, and the request is answered;
 7. across all of it, no request failed or was lost (the client's ledger and the router's
    own counters agree).
 
@@ -32,6 +33,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
+import httpx
 import pytest
 import yaml
 
@@ -94,6 +96,7 @@ class Scenario:
     woken_at: float = 0.0
     engine_pids: dict[str, int] = field(default_factory=dict)
     started: float = field(default_factory=time.monotonic)
+    second_router_answers: int = 0  # requests answered by the second router replica (step 6)
 
     def llm(self) -> dict[str, Any]:
         return self.stack.llm(NAME)
@@ -108,11 +111,11 @@ class Scenario:
     def live_pods(self) -> list[dict[str, Any]]:
         return [p for p in self.stack.pods(NAME) if not p["metadata"].get("deletionTimestamp")]
 
-    def ask(self, what: str) -> sup.Answer:
-        return sup.ask(self.stack.router_url, self.stack.api_key, NAME, self.ledger, what)
+    def ask(self, what: str, router_url: str | None = None) -> sup.Answer:
+        return sup.ask(router_url or self.stack.router_url, self.stack.api_key, NAME, self.ledger, what)
 
-    def demand(self) -> dict[str, Any]:
-        return sup.router_demand(self.stack.router_url, self.stack.api_key, NAME)
+    def demand(self, router_url: str | None = None) -> dict[str, Any]:
+        return sup.router_demand(router_url or self.stack.router_url, self.stack.api_key, NAME)
 
     def step(self, what: str, since: float) -> None:
         print(f"{what}: {time.monotonic() - since:.1f}s (scenario at {time.monotonic() - self.started:.1f}s)")
@@ -362,16 +365,51 @@ def test_longer_idle_removes_the_last_pod(scenario: Scenario) -> None:
 
 # --- 6. a request at zero is held, a Pod is created, the request is answered ------------------
 
-def test_request_at_zero_is_held_and_answered(scenario: Scenario) -> None:
+@pytest.fixture
+def second_router(scenario: Scenario) -> Iterator[str]:
+    """A second `tidal router` replica on the same cluster, as the chart runs two: its held
+    demand reaches the operator only through its own Lease (issue 21: the operator used to
+    ask one router URL and missed what the others held)."""
+    import socket
+    import subprocess
+    import sys
+
+    st = scenario.stack
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "tidal_operator.cli", "router", "--kubeconfig", str(st.kubeconfig),
+                             "--host", "127.0.0.1", "--port", str(port), "--demand-leases", "default",
+                             "--keys-namespace", "default", "--router-id", "second-router", "--log-level", "warning"],
+                            env={**st.env, "TIDAL_ROUTER_API_KEY": st.api_key})
+    url = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        try:
+            return httpx.get(f"{url}/ready", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        st.wait_for(ready, 60, "the second router ready")
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def test_request_at_zero_is_held_and_answered(scenario: Scenario, second_router: str) -> None:
     st = scenario.stack
     assert not st.pods(NAME)
-    before = scenario.demand()
+    before = scenario.demand(second_router)
     answers: list[sup.Answer] = []
     sent_at = time.time()
     began = time.monotonic()
-    client = threading.Thread(target=lambda: answers.append(scenario.ask("from zero")), daemon=True)
+    # Sent to the second router replica, not the one `tidal dev` started: only its Lease tells
+    # the operator about it.
+    client = threading.Thread(target=lambda: answers.append(scenario.ask("from zero", second_router)), daemon=True)
     client.start()
-    st.wait_for(lambda: scenario.demand()["held"] == 1, 30, "the request held by the router")
+    st.wait_for(lambda: scenario.demand(second_router)["held"] == 1, 30, "the request held by the second router")
     client.join(READY_BOUND_S + 60)
     assert answers, "the first request at zero never came back"
     (answer,) = answers
@@ -388,8 +426,9 @@ def test_request_at_zero_is_held_and_answered(scenario: Scenario) -> None:
     created = [at for at, kind, obj in scenario.pod_watch.snapshot(since=sent_at)
                if kind == "ADDED" and obj["metadata"]["name"] == pod["metadata"]["name"]]
     assert created, "the Pod that answered was not created after the request was sent"
-    after = scenario.demand()
+    after = scenario.demand(second_router)
     assert after["held"] == 0 and after["totalHeld"] == before["totalHeld"] + 1
+    scenario.second_router_answers = 1
 
 
 # --- 7. across the whole scenario ------------------------------------------------------------
@@ -410,7 +449,8 @@ def test_no_request_lost_or_failed_across_the_scenario(scenario: Scenario) -> No
         labels_ = dict(labels)
         if name == "tidal_router_requests_total" and labels_.get("model") == NAME:
             by_status[labels_["status"]] = by_status.get(labels_["status"], 0) + value
-    assert by_status == {"200": len(answers)}, (by_status, len(answers))
+    # (The request at zero went through the second router replica, step 6.)
+    assert by_status == {"200": len(answers) - scenario.second_router_answers}, (by_status, len(answers))
     assert sup.metric_sum(samples, "tidal_router_rejected_requests_total", lambda l: l.get("model") == NAME) == 0
 
     # The whole life in status.scalingHistory, and never more than two replicas.
