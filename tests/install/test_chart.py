@@ -761,6 +761,13 @@ def test_monitors_select_engines_and_router() -> None:
     assert sm["spec"]["endpoints"][0]["authorization"]["credentials"]["name"] == f"{RELEASE}-router-api-key"
     ns = one(render(SCENARIOS["namespaced-all-on"]), "PodMonitor", f"{RELEASE}-engines")
     assert ns["spec"]["namespaceSelector"] == {"matchNames": ["ml-models"]}
+    # Without the ServiceMonitor, the PodMonitor option scrapes every router Pod too (with its key).
+    alone = render({"monitoring": {"podMonitor": {"enabled": True}}})
+    pm = one(alone, "PodMonitor", f"{RELEASE}-router")
+    router_pod = one(alone, "Deployment", f"{RELEASE}-router")["spec"]["template"]["metadata"]["labels"]
+    assert pm["spec"]["selector"]["matchLabels"].items() <= router_pod.items()
+    assert pm["spec"]["podMetricsEndpoints"][0]["authorization"]["credentials"]["name"] == f"{RELEASE}-router-api-key"
+    assert not [o for o in objs if o["kind"] == "PodMonitor" and o["metadata"]["name"].endswith("-router")]
 
 
 def test_grafana_dashboard_queries_the_engine_metrics() -> None:
