@@ -534,19 +534,22 @@ def test_workers_die_with_a_killed_parent(tiny_dir: Path, tmp_path: Path) -> Non
             parent.kill()
 
 
-@pytest.mark.parametrize("backend", ["uni", "mp"])
-def test_lora_rows_next_to_base_rows(tmp_path: Path, backend: str) -> None:
+@pytest.mark.parametrize("backend, tp, pp", [("uni", 1, 1), ("mp", 1, 1), ("mp", 2, 1), ("mp", 1, 2)])
+def test_lora_rows_next_to_base_rows(tmp_path: Path, backend: str, tp: int, pp: int) -> None:
     # One request through an adapter, one on the base model, in the same steps: each gets
-    # the greedy tokens of its own model (PEFT's forward over the full sequence).
+    # the greedy tokens of its own model (PEFT's forward over the full sequence). At TP=2
+    # each rank holds its slice of the adapter (B rows of qkv/gate_up, A columns of o/down);
+    # at PP=2 each stage the adapter's layers it holds.
     from test_lora_support import make_peft_adapter
 
     hf = make_tiny_model("llama", tmp_path / "base", max_position_embeddings=256)
     peft = make_peft_adapter(hf, tmp_path / "a", rank=4, alpha=8, seed=1)
-    config = _config(tmp_path / "base", enable_lora=True, max_loras=1, max_lora_rank=8, distributed_executor_backend=backend)
+    config = _config(tmp_path / "base", enable_lora=True, max_loras=1, max_lora_rank=8, distributed_executor_backend=backend,
+                     tensor_parallel_size=tp, pipeline_parallel_size=pp)
     executor = create_executor(config, sampler_factory=_sampler_factory())
     try:
         executor.collective_rpc("add_lora", ("a", str(tmp_path / "a")))  # (name, folder): read by the worker
-        assert executor.collective_rpc("list_loras") == [["a"]]
+        assert executor.collective_rpc("list_loras") == [["a"]] * tp * pp
         core = MiniCore(executor, budget=6)
         core.add("lora", PROMPTS["a"], 5, lora_name="a")
         core.add("base", PROMPTS["a"], 5)

@@ -210,6 +210,8 @@ class LoRAModelSlots:
         dtype, device = weight.dtype, weight.device
         container = nn.ModuleDict()
         for index, layer in enumerate(model.layers):  # type: ignore[attr-defined]
+            if not hasattr(layer, "self_attn"):
+                continue  # another pipeline stage's layer
             for module_name, shards in MODULE_SHARDS.items():
                 linear = layer.get_submodule(module_name)
                 sizes = [linear.output_sizes[s] for s in shards] if shards != (None,) else [linear.out_features]
