@@ -16,16 +16,17 @@ from typing import Any, Awaitable, Callable, Mapping
 
 from ..api.types import LLMServiceSpec, OperatorConfig
 from ..api.validation import ValidationProblem, parse_spec, validate_spec
-from ..kube import MANAGER_RECONCILER, ApiError, Kube
-from ..reconcile.manifests import (CONTAINER_NAME, disruption_budget_manifest, metadata_drift, owner_reference,
-                                   pod_manifest, service_manifest, spec_hash)
+from ..kube import MANAGER_RECONCILER, Kube
+from ..reconcile.manifests import CONTAINER_NAME, metadata_drift, pod_manifest, spec_hash
 from ..reconcile.pods import PodView, plan_pods
 from ..reconcile.served_names import SERVED_NAME_CONFLICT, served_name_conflicts
 from ..reconcile.status import CONDITION_TYPES, compute_status, desired_replicas, extra_condition
 from ..secret_refs import referenced_secrets
 from .external_autoscaler import CONDITION as EXTERNAL_AUTOSCALER
 from .external_autoscaler import ensure_external_autoscaler
-from .ownership import adoption_patch, controller_ref, owned_by, replica_index
+from .companions import ensure_disruption_budget, ensure_service_for
+from .owned_pods import adopt_existing, owned_pods
+from .ownership import replica_index
 
 Obj = dict[str, Any]
 
@@ -194,37 +195,6 @@ async def reconcile(kube: Kube, config: OperatorConfig, namespace: str, name: st
                    repaired=tuple(repaired), adopted=tuple(adopted))
 
 
-async def owned_pods(kube: Kube, namespace: str, uid: str) -> list[Obj]:
-    """The Pods this LLMService controls, by ownerReference uid: labels can be edited by anyone,
-    and a Pod whose labels changed must still be found (and repaired), not created again."""
-    return [p for p in await kube.list_pods(namespace) if owned_by(p, uid)]
-
-
-async def adopt_existing(kube: Kube, llm: Obj, pod_name_: str) -> bool:
-    """A create answered AlreadyExists. Ours already (another pass got there first): nothing to
-    do. An orphan of that name: adopt it (the next pass repairs its metadata, or replaces it if
-    its container differs). Controlled by something else: say so; it is never touched."""
-    namespace = llm["metadata"]["namespace"]
-    pod = await kube.get_pod(namespace, pod_name_)
-    if pod is None or owned_by(pod, llm["metadata"]["uid"]):
-        return False
-    patch = adoption_patch(pod, owner_reference(llm))
-    if patch is None:
-        other = controller_ref(pod) or {}
-        await kube.post_event(llm, type_="Warning", reason="PodNameConflict",
-                              message=f"pod {pod_name_} exists and is controlled by {other.get('kind', '?')} "
-                                      f"{other.get('name', '?')} (or is being deleted): not touched")
-        return False
-    try:
-        await kube.patch_pod(namespace, pod_name_, patch)
-    except ApiError as exc:
-        if exc.status in (404, 409):
-            return False  # changed or gone since it was read: the next pass looks again
-        raise
-    await kube.post_event(llm, type_="Normal", reason="AdoptedPod", message=f"adopted the orphan pod {pod_name_}")
-    return True
-
-
 async def write_invalid_status(kube: Kube, config: OperatorConfig, llm: Obj, pods: list[Obj],
                                problems: list[ValidationProblem], generation: int | None, now: datetime) -> None:
     """Validated=False and one Warning Event per distinct message. Existing Pods keep
@@ -243,44 +213,3 @@ async def write_invalid_status(kube: Kube, config: OperatorConfig, llm: Obj, pod
     if before.get("status") != "False" or before.get("message") != after.get("message"):
         reason = SERVED_NAME_CONFLICT if after.get("reason") == SERVED_NAME_CONFLICT else "InvalidSpec"
         await kube.post_event(llm, type_="Warning", reason=reason, message=str(after.get("message")))
-
-
-async def ensure_disruption_budget(kube: Kube, config: OperatorConfig, llm: Obj) -> None:
-    """Create the PodDisruptionBudget, or put its maxUnavailable and selector back. One of that
-    name this LLMService doesn't control is left alone."""
-    desired = disruption_budget_manifest(llm, config)
-    namespace, name = desired["metadata"]["namespace"], desired["metadata"]["name"]
-    current = await kube.get_pdb(namespace, name)
-    if current is None:
-        if await kube.create_pdb(namespace, desired):
-            await kube.post_event(llm, type_="Normal", reason="CreatedPodDisruptionBudget",
-                                  message=f"created poddisruptionbudget {name}")
-        return
-    if not owned_by(current, llm["metadata"]["uid"]):
-        return
-    have, want = current.get("spec") or {}, desired["spec"]
-    if have.get("maxUnavailable") != want["maxUnavailable"] or have.get("selector") != want["selector"]:
-        await kube.patch_pdb(namespace, name, {"spec": want})
-
-
-async def ensure_service_for(kube: Kube, config: OperatorConfig, llm: Obj, *, repair: bool = True) -> str | None:
-    """Create the headless Service, or put its selector and ports back (`repair`). A Service of
-    that name this LLMService doesn't control (a user's) is never changed: the returned message
-    says so, for the ServiceConflict condition."""
-    desired = service_manifest(llm, config)
-    namespace, name = desired["metadata"]["namespace"], desired["metadata"]["name"]
-    current = await kube.get_service(namespace, name)
-    if current is None:
-        if repair and await kube.create_service(namespace, desired):
-            await kube.post_event(llm, type_="Normal", reason="CreatedService", message=f"created service {name}")
-        return None
-    if not owned_by(current, llm["metadata"]["uid"]):
-        other = controller_ref(current)
-        by = f"controlled by {other.get('kind')} {other.get('name')}" if other else "not created by this LLMService"
-        return (f"Service {name} exists and is {by}: it is left alone and the LLMService has no "
-                "Service endpoint; delete or rename that Service, or rename the LLMService")
-    have, want = current.get("spec") or {}, desired["spec"]
-    if repair and (have.get("selector") != want["selector"] or have.get("ports") != want["ports"]):
-        # Selector and ports only: clusterIP is immutable, and other fields may be defaulted.
-        await kube.patch_service(namespace, name, {"spec": {"selector": want["selector"], "ports": want["ports"]}})
-    return None
