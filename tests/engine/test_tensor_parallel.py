@@ -227,3 +227,30 @@ def test_smollm2_tp2_with_uneven_heads_equals_tp1() -> None:
         _assert_same(reference, tp2.generate(prompts, params))
     finally:
         tp2.engine.shutdown()
+
+
+@pytest.mark.slow
+def test_lora_served_by_tp2_engine_equals_tp1(tmp_path: Path) -> None:
+    # The engine core keeps the adapter registry; every rank gets the adapter and slices it.
+    from test_lora_support import make_peft_adapter
+
+    hf = make_tiny_model("llama", tmp_path / "base", eos_token_id=EOS_ID, bos_token_id=None)
+    save_byte_tokenizer(tmp_path / "base", vocab_size=TINY_MODELS["llama"][1]["vocab_size"])
+    make_peft_adapter(hf, tmp_path / "a", rank=4, alpha=8, seed=1)
+    options: dict[str, Any] = dict(enable_lora=True, max_loras=1, max_lora_rank=8, allowed_lora_roots=[str(tmp_path)])
+
+    def run(llm: LLM) -> list[Any]:
+        llm.engine.add_lora(llm.engine.read_lora("a", str(tmp_path / "a")))
+        with_adapter = llm.generate(PROMPTS, GREEDY, lora_name="a")
+        assert llm.engine.remove_lora("a") is True
+        return with_adapter + llm.generate(PROMPTS[:1], GREEDY)
+
+    reference = run(_llm(tmp_path / "base", **options))
+    tp2 = _llm(tmp_path / "base", tensor_parallel_size=2, **options)
+    try:
+        got = run(tp2)
+        _assert_same(reference, got)
+        assert tp2.engine.core.executor.collective_rpc("list_loras") == [[], []]  # removed on every rank
+    finally:
+        tp2.engine.shutdown()
+    assert reference[0].outputs[0].token_ids != reference[-1].outputs[0].token_ids  # the adapter mattered

@@ -168,8 +168,7 @@ class EngineCore:
         self.lora_manager: LoRAManager | None = getattr(self.executor, "lora_manager", None)
         if config.enable_lora and self.lora_manager is None:
             self.executor.shutdown()
-            raise ValueError("LoRA runs with the uni executor only for now (one rank): drop --distributed-executor-backend "
-                             "mp and tensor/pipeline parallelism, or --enable-lora")
+            raise ValueError(f"the {config.distributed_executor_backend} executor does not serve LoRA adapters")
         for lora_name, lora_path in (config.lora_modules or {}).items():
             self.add_lora(self.read_lora(lora_name, lora_path, at_startup=True))
         logger.info(
@@ -551,13 +550,17 @@ class EngineCore:
 
     def add_lora(self, adapter: LoRAAdapter) -> None:
         self._lora().add(adapter)
+        self.executor.add_lora(adapter)  # workers with their own registry (worker processes)
 
     def load_lora(self, lora_name: str, lora_path: str) -> None:
         self.add_lora(self.read_lora(lora_name, lora_path))
 
     def remove_lora(self, lora_name: str) -> bool:
         """Unload an adapter: True when gone now, False when its running requests finish first."""
-        return self._lora().remove(lora_name)
+        gone = self._lora().remove(lora_name)
+        if gone:
+            self.executor.remove_lora(lora_name)
+        return gone
 
     def list_loras(self) -> list[AdapterInfo]:
         return [] if self.lora_manager is None else self.lora_manager.list_adapters()

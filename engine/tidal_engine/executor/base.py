@@ -34,6 +34,13 @@ class Executor(ABC):
     @abstractmethod
     def shutdown(self) -> None: ...
 
+    def add_lora(self, adapter: Any) -> None:  # noqa: B027 - optional
+        """The core registered ``adapter``: give it to workers that keep their own registry
+        (the multiprocess executor). The uniprocess worker shares the core's."""
+
+    def remove_lora(self, name: str) -> None:  # noqa: B027 - optional
+        """The core dropped adapter ``name``: drop it in workers with their own registry."""
+
     @abstractmethod
     def check_health(self) -> None:
         """Raise if a worker died."""

@@ -138,7 +138,10 @@ class MultiprocExecutor(Executor):
         self.world_size = self.tp_size * self.pp_size
         self.output_rank = self.world_size - self.tp_size  # the last stage samples and answers
         _check_split(source.arch_config, self.tp_size, self.pp_size, device)
-        self.lora_manager = None  # adapters live in the worker processes: use collective_rpc
+        from tidal_engine.lora.manager import create_lora_registry
+
+        # The core's adapter registry (no device slots); each worker has its own slots.
+        self.lora_manager = create_lora_registry(source.arch_config, config)
         self._dead: str | None = None
         self._closed = False
         self._lock = threading.RLock()
@@ -290,6 +293,12 @@ class MultiprocExecutor(Executor):
         if errors:
             raise RuntimeError(f"collective_rpc {method!r} failed:\n" + "\n".join(errors))
         return answers
+
+    def add_lora(self, adapter: Any) -> None:
+        self.collective_rpc("add_lora", adapter)
+
+    def remove_lora(self, name: str) -> None:
+        self.collective_rpc("remove_lora", name)
 
     def check_health(self) -> None:
         if self._dead is not None:

@@ -75,7 +75,7 @@ class _Entry:
 
 
 class LoRAManager:
-    def __init__(self, shape: BaseModelShape, settings: LoRASettings, slots: LoRAModelSlots) -> None:
+    def __init__(self, shape: BaseModelShape, settings: LoRASettings, slots: LoRAModelSlots | None) -> None:
         self.shape = shape
         self.settings = settings
         self.slots = slots
@@ -216,6 +216,7 @@ class LoRAManager:
         """Map this step's rows to slots (loading adapters into free or LRU slots) and arm the
         hooks. ``chunks``: the scheduler's chunks in batch order (``.request.lora_name``,
         ``.num_new_tokens``). Returns False, with the hooks off, when no row uses an adapter."""
+        assert self.slots is not None, "a registry without device slots (the engine core's) runs no steps"
         names = {c.request.lora_name for c in chunks if c.request.lora_name is not None}
         if not names:
             self.slots.context.batch = None
@@ -228,7 +229,8 @@ class LoRAManager:
         return self.slots.context.batch is not None
 
     def end_step(self) -> None:
-        self.slots.context.batch = None
+        if self.slots is not None:
+            self.slots.context.batch = None
 
     def _slot_for(self, name: str, needed: set[str]) -> int:
         if name in self._slot_names:
@@ -252,7 +254,8 @@ class LoRAManager:
     def reattach(self, model: torch.nn.Module) -> None:
         """The model was rebuilt (wake from sleep level 2): hook it, with new, empty slots
         (they refill from the host cache, or the disk, as steps need them)."""
-        self.slots.detach()
+        if self.slots is not None:
+            self.slots.detach()
         self.slots = LoRAModelSlots(model, self.settings.max_loras, self.settings.max_lora_rank)
         self._slot_names = [None] * self.settings.max_loras
         self._slot_used_at = [-1] * self.settings.max_loras
@@ -285,6 +288,21 @@ def create_lora_manager(model: torch.nn.Module, arch: Any, config: Any) -> LoRAM
     logger.info("LoRA enabled: %d slot(s) of rank %d, %.1f MiB of device memory",
                 settings.max_loras, settings.max_lora_rank, slots.num_bytes() / 2**20)
     return LoRAManager(BaseModelShape.from_arch(arch), settings, slots)
+
+
+def create_lora_registry(arch: Any, config: Any) -> LoRAManager | None:
+    """The engine core's adapter registry when the workers are other processes (None when LoRA
+    is off): names, paths, references and host copies, no device slots. Each worker keeps its
+    own manager with slots, which the core's add/remove reach through the executor."""
+    if not getattr(config, "enable_lora", False):
+        return None
+    settings = LoRASettings(
+        max_loras=config.max_loras,
+        max_lora_rank=config.max_lora_rank,
+        max_cpu_loras=config.max_cpu_loras,
+        allowed_roots=tuple(config.allowed_lora_roots or ()),
+    )
+    return LoRAManager(BaseModelShape.from_arch(arch), settings, None)
 
 
 def model_slots_device(slots: LoRAModelSlots) -> torch.device:

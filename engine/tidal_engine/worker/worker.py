@@ -352,14 +352,17 @@ class Worker:
     def add_lora(self, adapter: Any) -> None:
         """Register an adapter (a ``LoRAAdapter`` read by the core, or a (name, path) pair)."""
         manager = self._lora()
+        name = adapter[0] if isinstance(adapter, tuple) else adapter.name
+        if manager.get(name) is not None:  # the core dropped it after its last request, then loaded it again
+            manager.remove(name)
         if isinstance(adapter, tuple):
-            name, path = adapter
-            manager.load(name, path)
+            manager.load(name, adapter[1])
         else:
             manager.add(adapter)
 
     def remove_lora(self, name: str) -> bool:
-        return self._lora().remove(name)
+        manager = self._lora()
+        return manager.remove(name) if manager.get(name) is not None else False
 
     def list_loras(self) -> list[str]:
         return [] if self.runner.lora_manager is None else [a.name for a in self.runner.lora_manager.list_adapters()]
