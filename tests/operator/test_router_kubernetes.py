@@ -217,6 +217,8 @@ def test_expired_router_leases_count_for_nothing() -> None:
 
     now = datetime(2026, 11, 30, 12, 0, tzinfo=timezone.utc)
     held = [{"namespace": "default", "llmservice": "m", "held": 3}]
-    fresh = lease_body("tidal-router-demand-a", "a", held, now - timedelta(seconds=5), 15)
+    fresh = lease_body("tidal-router-demand-a", "a", held, now - timedelta(seconds=5), 15, ("router-a", "uid-a"))
+    assert fresh["metadata"]["ownerReferences"] == [{"apiVersion": "v1", "kind": "Pod", "name": "router-a",
+                                                     "uid": "uid-a"}]  # garbage-collected with its Pod
     dead = lease_body("tidal-router-demand-b", "b", held, now - timedelta(seconds=16), 15)
     assert demand_from_leases([fresh, dead], now) == {("default", "m"): 3}

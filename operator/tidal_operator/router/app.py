@@ -236,8 +236,11 @@ async def run_router(*, kubeconfig: str | None = None, in_cluster: bool = False,
     app = create_app(registry, config, wake_lease=lease, api_keys=keys, synced=watcher.synced.is_set)
     publisher = None
     if demand_leases:
-        publisher = DemandLeasePublisher(api_client, demand_leases, router_id or f"{socket.gethostname()}-{port}",
-                                         app.state.demand)
+        # In a Pod (the chart's downward API): named after it, and garbage-collected with it.
+        pod_name, pod_uid = os.environ.get("POD_NAME"), os.environ.get("POD_UID")
+        publisher = DemandLeasePublisher(api_client, demand_leases,
+                                         router_id or pod_name or f"{socket.gethostname()}-{port}", app.state.demand,
+                                         owner_pod=(pod_name, pod_uid) if pod_name and pod_uid else None)
         tasks.append(asyncio.create_task(publisher.run()))
     server = DrainingServer(app.state.proxy, uvicorn.Config(
         app, host=host, port=port, log_level=log_level, access_log=False,

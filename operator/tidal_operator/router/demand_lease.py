@@ -36,11 +36,14 @@ def micro_time(t: datetime) -> str:
 
 
 def lease_body(name: str, router_id: str, held: list[dict[str, Any]], now: datetime,
-               duration_s: int) -> dict[str, Any]:
-    """The Lease object (pure): identity, expiry, and the held demand in an annotation."""
-    return {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-            "metadata": {"name": name, "labels": {L.ROUTER_DEMAND: "true"},
-                         "annotations": {L.HELD_DEMAND: json.dumps(held, separators=(",", ":"))}},
+               duration_s: int, owner_pod: tuple[str, str] | None = None) -> dict[str, Any]:
+    """The Lease object (pure): identity, expiry, and the held demand in an annotation.
+    `owner_pod` (name, uid): the router's own Pod, so the Lease is garbage-collected with it."""
+    meta: dict[str, Any] = {"name": name, "labels": {L.ROUTER_DEMAND: "true"},
+                            "annotations": {L.HELD_DEMAND: json.dumps(held, separators=(",", ":"))}}
+    if owner_pod is not None:
+        meta["ownerReferences"] = [{"apiVersion": "v1", "kind": "Pod", "name": owner_pod[0], "uid": owner_pod[1]}]
+    return {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": meta,
             "spec": {"holderIdentity": router_id, "leaseDurationSeconds": duration_s, "renewTime": micro_time(now)}}
 
 
@@ -54,7 +57,8 @@ class DemandLeasePublisher:
     RBAC: create, patch and delete on leases in `namespace` (nothing cluster-wide)."""
 
     def __init__(self, api_client: Any, namespace: str, router_id: str, book: DemandBook, *,
-                 renew_s: float = 5.0, duration_s: int = 15, debounce_s: float = 0.1) -> None:
+                 renew_s: float = 5.0, duration_s: int = 15, debounce_s: float = 0.1,
+                 owner_pod: tuple[str, str] | None = None) -> None:
         from kubernetes_asyncio import client as k8s
 
         self._leases = k8s.CoordinationV1Api(api_client)
@@ -65,6 +69,7 @@ class DemandLeasePublisher:
         self.renew_s = renew_s
         self.duration_s = duration_s
         self.debounce_s = debounce_s
+        self.owner_pod = owner_pod
 
     async def run(self) -> None:
         while True:
@@ -85,7 +90,7 @@ class DemandLeasePublisher:
 
         self.book.changed.clear()
         body = lease_body(self.name, self.router_id, held_list(self.book), datetime.now(timezone.utc),
-                          self.duration_s)
+                          self.duration_s, self.owner_pod)
         try:
             await self._leases.patch_namespaced_lease(self.name, self.namespace, body,
                                                       _content_type="application/merge-patch+json")
