@@ -1,5 +1,6 @@
 """The quickstart on `tidal dev` with real engines (SmolLM2-135M on CPU) and the real kubectl:
-apply → a running engine → Ready 1/1 → "Paris" (direct and through the router) → a rolling
+apply → a running engine → Ready 1/1 → "Paris" (direct and through the router) → the same
+model at tensor: 2 (two gloo ranks) answers the same → a rolling
 update with surge while requests keep succeeding → schemas → delete, processes gone.
 
 The tests share one stack and run in file order (each builds on the previous state).
@@ -53,6 +54,29 @@ def test_apply_quickstart_runs_a_real_engine(real_stack: Any) -> None:
     pod_ip = pods[0]["status"]["podIP"]
     assert "Paris" in real_stack.chat(f"http://{pod_ip}:8000", NAME)
     assert "Paris" in real_stack.chat(real_stack.router_url, NAME, real_stack.api_key)
+
+
+def test_tensor_parallel_2_on_cpu_answers_like_tensor_1(real_stack: Any) -> None:
+    # Two gloo ranks in one Pod: the status and `kubectl get llm -o wide` show the parallelism,
+    # and the greedy answer through the router is the quickstart's (tensor: 1) answer.
+    name = "smollm2-tp2"
+    body = {"apiVersion": "tidal.dev/v1alpha1", "kind": "LLMService", "metadata": {"name": name},
+            "spec": {"model": {"uri": "bundled://smollm2-135m", "maxModelLen": 512},
+                     "engine": {"resources": {"cpu": "2", "memory": "2Gi"}, "kvCacheMemory": "64Mi",
+                                "startupTimeoutSeconds": 300},
+                     "parallelism": {"tensor": 2}, "replicas": 1}}
+    real_stack.kubectl("apply", "-f", "-", input=json.dumps(body))
+    try:
+        llm = real_stack.wait_ready(name, 2 * ENGINE_READY_BOUND_S)
+        assert llm["status"]["parallelism"] == "tp=2 pp=1"
+        header, row = real_stack.kubectl("get", "llm", name, "-o", "wide").splitlines()[:2]
+        assert row.split()[header.split().index("PARALLELISM")] == "tp=2"
+        (pod,) = real_stack.pods(name)
+        assert "--tensor-parallel-size" in pod["spec"]["containers"][0]["args"]
+        expected = real_stack.chat(real_stack.router_url, NAME, real_stack.api_key)
+        assert real_stack.chat(real_stack.router_url, name, real_stack.api_key) == expected
+    finally:
+        real_stack.kubectl("delete", "llm", name, "--wait=true", timeout=120)
 
 
 def test_spec_change_rolls_with_surge_and_requests_keep_succeeding(real_stack: Any) -> None:

@@ -38,7 +38,7 @@ DesiredReplicasFn = Callable[[Obj, LLMServiceSpec, list[Obj]], Awaitable["int | 
 # that became invalid) is removed, so status never shows something stale. desiredReplicas
 # is apart: the autoscaler's decision survives an invalid spec.
 OWNED_STATUS_FIELDS = ("observedGeneration", "phase", "replicas", "readyReplicas", "updatedReplicas",
-                       "sleepingReplicas", "replicasText", "selector", "servedModelName", "specHash",
+                       "sleepingReplicas", "replicasText", "selector", "servedModelName", "parallelism", "specHash",
                        "endpoint", "podEndpoints", "conditions")
 
 
