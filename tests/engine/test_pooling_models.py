@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tidal_engine.layers.dense_attention import packed_attention
+from tidal_engine.layers.dense_attention import packed_attention, packed_qkv_attention
 from tidal_engine.models.loader import resolve_model_path
 from tidal_engine.pooling.batching import take_batch
 from tidal_engine.pooling.engine import PoolingEngine
@@ -132,3 +132,14 @@ def test_take_batch_budgets() -> None:
     assert take_batch(items, max_tokens=12, max_seqs=8) == 2
     assert take_batch(items, max_tokens=100, max_seqs=3) == 3
     assert take_batch(items[3:], max_tokens=10, max_seqs=8) == 1  # too long for the budget: runs alone
+
+
+def test_packed_qkv_attention_matches_packed_attention() -> None:
+    torch.manual_seed(0)
+    lens = [3, 7, 1, 5]
+    qkv = torch.randn(16, 3 * 4 * 8)
+    q, k, v = (x.reshape(16, 4, 8) for x in qkv.split(32, dim=1))
+    expected = packed_attention(q, k, v, lens, causal=False, scale=0.3).reshape(16, 32)
+    torch.testing.assert_close(packed_qkv_attention(qkv, 4, lens, scale=0.3), expected)
+    same = packed_attention(q[:12], k[:12], v[:12], [6, 6], causal=False, scale=0.3).reshape(12, 32)
+    torch.testing.assert_close(packed_qkv_attention(qkv[:12], 4, [6, 6], scale=0.3), same)  # no padding

@@ -49,3 +49,27 @@ def padded_index(seq_lens: list[int], device: torch.device) -> torch.Tensor:
     """Flat row of each packed token in the padded ``[B * max_len]`` layout."""
     longest = max(seq_lens)
     return torch.cat([torch.arange(n, device=device) + i * longest for i, n in enumerate(seq_lens)])
+
+
+def packed_qkv_attention(qkv: torch.Tensor, num_heads: int, seq_lens: list[int], scale: float) -> torch.Tensor:
+    """Bidirectional multi-head attention straight from a packed QKV projection ``[T, 3*H*D]``
+    (q, k, v stacked, as QKVLinear makes them) → ``[T, H*D]``. One padding copy for all three
+    instead of one each: the encoder's cheaper path."""
+    tokens, width = qkv.shape
+    head_dim = width // (3 * num_heads)
+    batch, longest = len(seq_lens), max(seq_lens)
+    equal = all(n == longest for n in seq_lens)
+    index = None if equal else padded_index(seq_lens, qkv.device)
+    if index is None:
+        padded = qkv
+    else:
+        padded = qkv.new_zeros(batch * longest, width)
+        padded[index] = qkv
+    q, k, v = padded.view(batch, longest, 3, num_heads, head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+    mask = None
+    if index is not None:
+        lens = torch.tensor(seq_lens, device=qkv.device)
+        mask = (torch.arange(longest, device=qkv.device)[None, :] < lens[:, None])[:, None, None, :]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    out = out.transpose(1, 2).reshape(batch * longest, num_heads * head_dim)
+    return out if index is None else out[index]

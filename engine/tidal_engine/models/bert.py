@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tidal_engine.layers.dense_attention import packed_attention
+from tidal_engine.layers.dense_attention import packed_qkv_attention
 from tidal_engine.layers.linear import Linear, QKVLinear, copy_checked
 
 _ACTIVATIONS = {"gelu": lambda x: F.gelu(x), "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
@@ -76,11 +76,8 @@ class BertLayer(nn.Module):
         self.act = _ACTIVATIONS[config.hidden_act]
 
     def forward(self, hidden: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
-        shape = (hidden.shape[0], self.num_heads, self.head_dim)
-        q, k, v = self.qkv.split(self.qkv(hidden))
-        attn = packed_attention(q.reshape(shape), k.reshape(shape), v.reshape(shape), seq_lens,
-                                causal=False, scale=self.head_dim**-0.5)
-        hidden = self.attn_norm(self.attn_out(attn.reshape(hidden.shape)) + hidden)
+        attn = packed_qkv_attention(self.qkv(hidden), self.num_heads, seq_lens, self.head_dim**-0.5)
+        hidden = self.attn_norm(self.attn_out(attn) + hidden)
         return self.out_norm(self.output(self.act(self.intermediate(hidden))) + hidden)
 
 
