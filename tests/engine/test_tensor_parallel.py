@@ -95,8 +95,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=6, logprobs=4, ignore_eos=Tr
 
 
 @pytest.mark.slow
-# Qwen3 (q/k norms) at TP=2: the mixed-workload test; Qwen2 (tied, q/k/v bias): the pipeline test.
-@pytest.mark.parametrize("name, overrides", [("llama", SMOLLM2_HEADS)])
+# Qwen3 (q/k norms, head_dim != hidden / heads) at TP=2: the mixed-workload test below.
+@pytest.mark.parametrize("name, overrides", [("llama", SMOLLM2_HEADS), ("qwen2_tied", {})])
 def test_tp2_greedy_and_logprobs_equal_tp1(
     tmp_path_factory: pytest.TempPathFactory, name: str, overrides: dict[str, Any]
 ) -> None:
