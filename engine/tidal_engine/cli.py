@@ -362,6 +362,8 @@ def serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
         if args.api_server_count != 1:
             parser.error("--api-server-count must be 1 with --runner pooling")
+        if config.world_size != 1:
+            parser.error("--runner pooling runs on one device: drop --tensor-parallel-size and --pipeline-parallel-size")
         try:
             return serve_pooling(config, settings)
         except ValueError as exc:

@@ -52,6 +52,7 @@ def test_help_groups_flags(capsys: pytest.CaptureFixture[str]) -> None:
         (["serve", "m", "--tensor-parallel-size", "0"], "must be >= 1"),
         (["serve", "m", "-pp", "0"], "must be >= 1"),
         (["serve", "m", "-tp", "2", "--distributed-executor-backend", "uni"], "need distributed_executor_backend 'mp'"),
+        (["serve", "m", "-tp", "2", "--runner", "pooling"], "--runner pooling runs on one device"),
         (["serve", "m", "--quantization", "awq"], "--quantization awq"),
         (["serve", "m", "--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8"),
         (["serve", "m", "--max-loras", "4"], "--max-loras (needs --enable-lora)"),

@@ -228,3 +228,8 @@ def test_problem_str_names_the_field() -> None:
 def test_parse_spec_accepts_a_parsed_spec() -> None:
     spec = LLMServiceSpec.from_body(BASE)
     assert parse_spec(spec) == (spec, [])
+
+
+def test_pooling_models_run_on_one_device() -> None:
+    p = only({**BASE, "model": {**BASE["model"], "task": "embed"}, "parallelism": {"tensor": 2}})
+    assert p.reason == "UnsupportedParallelism" and p.field == "spec.parallelism"

@@ -157,6 +157,11 @@ def _check_parallelism(spec: LLMServiceSpec, config: OperatorConfig) -> list[Val
             f"asks for {gpu} GPU(s) but tensor ({spec.parallelism.tensor}) x pipeline "
             f"({spec.parallelism.pipeline}) = {world}: each engine Pod needs exactly "
             "tensor x pipeline GPUs", "GPUCountMismatch")]
+    if world > 1 and spec.model.task != "generate":
+        return [ValidationProblem(
+            "spec.parallelism",
+            f"model.task {spec.model.task} (a pooling model) runs on one device: tensor x pipeline must be 1",
+            "UnsupportedParallelism")]
     if gpu > config.max_gpus_per_node:
         return [ValidationProblem(
             "spec.parallelism",
