@@ -33,7 +33,7 @@ def test_help_groups_flags(capsys: pytest.CaptureFixture[str]) -> None:
                  "--api-key", "--allowed-origins", "--enable-sleep-mode", "--disable-log-requests",
                  "--enforce-eager", "--no-protect-metrics", "--max-request-body-bytes", "--log-prompts",
                  "--shutdown-timeout", "--tensor-parallel-size", "--quantization", "--kv-cache-dtype",
-                 "--enable-lora"):
+                 "--enable-lora", "--load-format", "--pipeline-parallel-size"):
         assert flag in out, flag
 
 

@@ -289,3 +289,15 @@ def test_smollm2_matches_transformers(smollm2: GGUFSource) -> None:
     ids = list(range(100, 124))
     logits = run_chunks(model, ids, [16, 5, 1, 1, 1], block_size=16)
     assert (logits - hf_logits(hf_model, ids)).abs().max().item() <= 1e-4
+
+
+def test_dummy_load_format_reads_nothing_and_gives_finite_logits(tmp_path: Path) -> None:
+    from tidal_engine.models.loader import load_model as load
+
+    make_tiny_model("qwen3", tmp_path)
+    source = resolve_model(str(tmp_path))
+    source.load_weight_slices = lambda: pytest.fail("dummy weights must not read the checkpoint")  # type: ignore[method-assign]
+    model = load(source, torch.float32, CPU, load_format="dummy")
+    assert torch.equal(model.norm.weight, torch.ones_like(model.norm.weight))
+    logits = run_chunks(model, [1, 2, 3, 4, 5], [5], 4)
+    assert torch.isfinite(logits).all() and logits.std() > 0
