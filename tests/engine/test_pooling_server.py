@@ -217,3 +217,19 @@ def test_start_up_hint_matches_the_task() -> None:
     embed = pooling_curl_hint(settings, MINILM, "embed")
     assert "http://localhost:8001/v1/embeddings" in embed and "$TIDAL_API_KEY" in embed and "secret" not in embed
     assert "/rerank" in pooling_curl_hint(settings, "reranker", "classify")
+
+
+def test_operator_reads_the_pooling_servers_metrics(tmp_path: Path) -> None:
+    """The autoscaler and idle policy read a pooling engine as they read a chat engine."""
+    from tidal_operator.engine_client import EngineMetrics
+
+    make_bert_cross_encoder(tmp_path)
+    engine = PoolingEngine.from_model(str(tmp_path), "reranker", device="cpu", enable_sleep_mode=True)
+    with TestClient(build_pooling_app(engine, ServerSettings(served_model_names=["reranker"]))) as http:
+        idle = EngineMetrics.parse(http.get("/metrics").text)
+        assert (idle.running, idle.waiting, idle.sleep_level, idle.activity) == (0, 0, 0, 0)
+        http.post("/rerank", json={"query": "q", "documents": ["a", "b"]})
+        busy = EngineMetrics.parse(http.get("/metrics").text)
+        assert busy.activity is not None and busy.activity > 0  # the idle policy sees work happened
+        http.post("/sleep?level=1")
+        assert EngineMetrics.parse(http.get("/metrics").text).sleep_level == 1
