@@ -89,6 +89,7 @@ async def test_idle_engine_sleeps_and_a_request_through_the_router_wakes_it(engi
     import uvicorn
     from kubernetes_asyncio import client as k8s
 
+    from tidal_operator.controller.router_secrets import engine_key_copy
     from tidal_operator.dev import start_apiserver, write_kubeconfig
     from tidal_operator.kube import Kube, load_configuration
     from tidal_operator.router import Registry, RouterConfig, create_app
@@ -109,17 +110,23 @@ async def test_idle_engine_sleeps_and_a_request_through_the_router_wakes_it(engi
         await kube.request("POST", f"/api/v1/namespaces/{NS}/secrets", body={
             "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "engine-key", "namespace": NS},
             "data": {"api-key": base64.b64encode(ENGINE_KEY.encode()).decode()}})
-        await kube.request("POST", f"/apis/{L.GROUP}/{L.VERSION}/namespaces/{NS}/{L.PLURAL}", body={
+        llm = await kube.request("POST", f"/apis/{L.GROUP}/{L.VERSION}/namespaces/{NS}/{L.PLURAL}", body={
             "apiVersion": L.API_VERSION, "kind": L.KIND, "metadata": {"name": "smollm2", "namespace": NS},
             "spec": {"model": {"uri": "bundled://smollm2-135m", "servedName": "smollm2"},
                      "engine": {"port": engine_port}, "auth": {"apiKeySecretRef": {"name": "engine-key"}},
                      "autoscaling": {"minReplicas": 1, "maxReplicas": 1, "metric": "requestsInFlight",
                                      "target": 4},
                      "sleep": {"afterIdleSeconds": 2, "level": 1}}})
+        # What the operator would write: the router's copy of the engine key (the router reads
+        # Secrets in its own namespace only), and a Pod the LLMService controls.
+        await kube.request("POST", f"/api/v1/namespaces/{NS}/secrets",
+                           body=engine_key_copy(llm, "engine-key", "api-key", ENGINE_KEY))
+        owner = {"apiVersion": L.API_VERSION, "kind": L.KIND, "name": "smollm2",
+                 "uid": llm["metadata"]["uid"], "controller": True}
         pod = "smollm2-e2e-0"
         await kube.request("POST", f"/api/v1/namespaces/{NS}/pods", body={
             "apiVersion": "v1", "kind": "Pod", "metadata": {
-                "name": pod, "namespace": NS, "annotations": {L.SPEC_HASH: "e2e"},
+                "name": pod, "namespace": NS, "annotations": {L.SPEC_HASH: "e2e"}, "ownerReferences": [owner],
                 "labels": {**L.selector_labels("smollm2"), L.SLEEP_STATE: L.SLEEP_AWAKE}},
             "spec": {"containers": [{"name": "engine", "image": "x",
                                      "ports": [{"name": "http", "containerPort": engine_port}]}]}})
@@ -129,7 +136,7 @@ async def test_idle_engine_sleeps_and_a_request_through_the_router_wakes_it(engi
 
         # --- the router, watching the API server ---
         registry = Registry()
-        watcher = KubernetesWatcher(registry, router_api)
+        watcher = KubernetesWatcher(registry, router_api, keys_namespace=NS)
         await watcher.start()
         await asyncio.wait_for(watcher.synced.wait(), 30)
         app = create_app(registry, RouterConfig(api_keys=(CLIENT_KEY,), hold_timeout_s=120),

@@ -191,7 +191,7 @@ def test_kubectl_get_prints_the_printer_columns(fake_stack: Any) -> None:
     assert header.split() == ["NAME", "MODEL", "READY", "PHASE", "ENDPOINT", "AGE"]
     assert rows[0].split()[:4] == ["tables", "bundled://smollm2-135m", "2/2", "Ready"]
     wide = fake_stack.kubectl("get", "llm", "tables", "-o", "wide").splitlines()[0].split()
-    assert wide[-3:] == ["SERVED", "SLEEPING", "REASON"]
+    assert wide[-5:] == ["SERVED", "PARALLELISM", "SLEEPING", "TASK", "REASON"]
     header, *rows = fake_stack.kubectl("get", "pods", "-l", "tidal.dev/llmservice=tables").splitlines()
     assert header.split() == ["NAME", "READY", "STATUS", "RESTARTS", "AGE"]
     assert len(rows) == 2 and all(r.split()[1:3] == ["1/1", "Running"] for r in rows)

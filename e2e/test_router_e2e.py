@@ -151,6 +151,35 @@ def test_auth_no_key_and_wrong_key_401_right_key_200(real_stack: Any, models: No
                       headers={"authorization": f"Bearer {real_stack.api_key}"}).status_code == 401
 
 
+def test_tools_and_responses_pass_through_the_router(real_stack: Any, models: None) -> None:
+    """Tool calls (tool_choice required, plain and streamed) and the Responses API
+    (responses.create and responses.stream) reach the engine through the router unchanged."""
+    client = rs.openai_client(real_stack.router_url, real_stack.api_key)
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+        "required": ["city"], "additionalProperties": False}}}
+    question = rs.messages("What is the weather in Paris?")
+    plain = client.chat.completions.create(model=ALPHA, messages=question, tools=[tool], tool_choice="required",
+                                           parallel_tool_calls=False, max_tokens=40, temperature=0)
+    (call,) = plain.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] in ("Paris", "Rome")
+    arguments = ""
+    for chunk in client.chat.completions.create(model=ALPHA, messages=question, tools=[tool], tool_choice="required",
+                                                parallel_tool_calls=False, max_tokens=40, temperature=0, stream=True):
+        for piece in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            arguments += piece.function.arguments or ""
+    assert arguments == call.function.arguments
+
+    created = client.responses.create(model=ALPHA, input="What is the capital of France?", max_output_tokens=8,
+                                      temperature=0, store=False)
+    assert created.output_text
+    with client.responses.stream(model=ALPHA, input="What is the capital of France?", max_output_tokens=8,
+                                 temperature=0, store=False) as stream:
+        events = list(stream)
+    assert events[0].type == "response.created"
+    assert events[-1].response.output_text == created.output_text
+
+
 def test_least_load_spreads_40_concurrent_requests_over_both_replicas(real_stack: Any, models: None,
                                                                      timings: dict[str, float]) -> None:
     pods = pod_names(real_stack, ALPHA)
@@ -364,32 +393,3 @@ def test_sleeping_replica_is_woken_once_for_concurrent_requests(real_stack: Any,
     assert most_held >= 2  # they really waited on the one wake together
     assert httpx.get(f"{engine}/is_sleeping", timeout=10).json()["is_sleeping"] is False
     timings["sleep/wake"] = time.monotonic() - started
-
-
-def test_tools_and_responses_pass_through_the_router(real_stack: Any, models: None) -> None:
-    """Tool calls (tool_choice required, plain and streamed) and the Responses API
-    (responses.create and responses.stream) reach the engine through the router unchanged."""
-    client = rs.openai_client(real_stack.router_url, real_stack.api_key)
-    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
-        "required": ["city"], "additionalProperties": False}}}
-    question = rs.messages("What is the weather in Paris?")
-    plain = client.chat.completions.create(model=ALPHA, messages=question, tools=[tool], tool_choice="required",
-                                           parallel_tool_calls=False, max_tokens=40, temperature=0)
-    (call,) = plain.choices[0].message.tool_calls
-    assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] in ("Paris", "Rome")
-    arguments = ""
-    for chunk in client.chat.completions.create(model=ALPHA, messages=question, tools=[tool], tool_choice="required",
-                                                parallel_tool_calls=False, max_tokens=40, temperature=0, stream=True):
-        for piece in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
-            arguments += piece.function.arguments or ""
-    assert arguments == call.function.arguments
-
-    created = client.responses.create(model=ALPHA, input="What is the capital of France?", max_output_tokens=8,
-                                      temperature=0, store=False)
-    assert created.output_text
-    with client.responses.stream(model=ALPHA, input="What is the capital of France?", max_output_tokens=8,
-                                 temperature=0, store=False) as stream:
-        events = list(stream)
-    assert events[0].type == "response.created"
-    assert events[-1].response.output_text == created.output_text
