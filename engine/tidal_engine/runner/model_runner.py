@@ -35,6 +35,14 @@ from tidal_engine.runner.input_buffers import (
     normalize_capture_sizes,
     plan_step,
 )
+from tidal_engine.runner.memory_budget import (
+    GraphShapes,
+    ProfiledMemory,
+    activation_bytes_per_token,
+    check_free_memory,
+    graph_pool_bytes,
+    kv_cache_budget,
+)
 from tidal_engine.runner.mixed_graphs import MixedGraphs
 from tidal_engine.runner.persistent_batch import PersistentBatch
 
@@ -99,26 +107,31 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.arch = source.arch_config
+        self.max_model_len = config.max_model_len or self.arch.max_position_embeddings
+        self.cuda_graph_sizes = normalize_capture_sizes(config.cuda_graph_sizes, config.max_num_seqs)
+        # What the engine may use of the device (gpu_memory_utilization, runner/memory_budget.py):
+        # free memory is read before anything of ours is on the device.
+        self._free_before_load = self._check_device_memory()
         self.model = load_model(source, dtype, device, getattr(config, "load_format", "auto"))
         self.backend = choose_attention_backend(device)
         set_attention_backend(self.model, self.backend)
         # Multi-LoRA: adapter slots and hooks on the linears; None unless enable_lora.
         self.lora_manager = create_lora_manager(self.model, self.arch, config)
         self.kv_spec = kv_cache_spec(self.model, config.block_size, dtype)
-        self.max_model_len = config.max_model_len or self.arch.max_position_embeddings
-        self.num_blocks = self._decide_num_blocks()
-        self.kv_caches: list[torch.Tensor] = self._allocate_kv_caches()
         self.sampler = (sampler_factory or default_sampler)(self.arch.vocab_size, config.max_num_seqs, device)
         self.staging = PinnedStaging(device)
         # Every live request's row: tokens, block table (mirrored on the device), last sample.
         self.batch = PersistentBatch(config.max_num_seqs, self.max_model_len, config.block_size, device)
-        self.cuda_graph_sizes = normalize_capture_sizes(config.cuda_graph_sizes, config.max_num_seqs)
         self.graphs: DecodeGraphs | None = None
         self.mixed_graphs: MixedGraphs | None = None
         self._gemv_choices: dict = {}  # (N, K, dtype, bias) → GEMV config or None (cuBLAS)
         self._choose_one_row_linears()
         self._warm_up_kernels()
+        self.memory_report: dict[str, Any] = {}
+        self.num_blocks = self._decide_num_blocks()
+        self.kv_caches: list[torch.Tensor] = self._allocate_kv_caches()
         self.capture_cuda_graphs()
+        self._report_footprint()
 
     # ---- KV cache sizing -------------------------------------------------------------
     def _decide_num_blocks(self) -> int:
@@ -138,21 +151,85 @@ class ModelRunner:
             )
         return int(num_blocks)
 
+    def _budget_from_utilization(self) -> bool:
+        c = self.config
+        return self.device.type == "cuda" and c.num_gpu_blocks_override is None and c.kv_cache_memory_bytes is None
+
+    def _check_device_memory(self) -> int | None:
+        """Free device memory before the engine loads anything; refuses to start when it is
+        below ``gpu_memory_utilization × total``. None when the KV cache is not sized from it."""
+        if not self._budget_from_utilization():
+            return None
+        torch.cuda.init()
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        check_free_memory(free, total, self.config.gpu_memory_utilization)
+        return free
+
     def _profile_cuda_budget(self) -> int:
-        """Run the largest step once, then give the KV cache what the utilisation target leaves."""
+        """Run the largest step (``max_num_batched_tokens``, logits and sampling for
+        ``max_num_seqs`` rows) and give the KV cache what the utilisation target leaves after
+        the weights, that step's activations, the memory outside torch and the CUDA graphs."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
+        resident = torch.cuda.memory_allocated(self.device)  # weights, sampler, persistent batch
         num_tokens = self.config.max_num_batched_tokens or 2048
-        self._dummy_forward(num_tokens)
+        scratch = self._dummy_forward(num_tokens, sample=True)
         torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        budget = int(total * self.config.gpu_memory_utilization) - peak
-        logger.info("KV cache budget: %.2f GiB (peak during profiling %.2f GiB)", budget / 2**30, peak / 2**30)
-        return max(budget, 0)
+        free, total = torch.cuda.mem_get_info(self.device)
+        assert self._free_before_load is not None
+        profile = ProfiledMemory(
+            total=total,
+            free_before_load=self._free_before_load,
+            free_after_profile=free,
+            torch_peak=torch.cuda.max_memory_allocated(self.device),
+            torch_reserved=torch.cuda.memory_reserved(self.device),
+            scratch_bytes=scratch,
+        )
+        graph_reserve = 0
+        if self._graphs_wanted():
+            per_token = activation_bytes_per_token(profile, resident, num_tokens)
+            graph_reserve = graph_pool_bytes(self._graph_shapes(), per_token)
+        budget = kv_cache_budget(profile, self.config.gpu_memory_utilization, graph_reserve)
+        self.memory_report.update(
+            total_bytes=total, requested_bytes=budget.requested,
+            weights_and_activations_bytes=budget.weights_and_activations, non_torch_bytes=budget.non_torch,
+            graph_reserve_bytes=graph_reserve, kv_cache_budget_bytes=budget.kv_cache, profiled_tokens=num_tokens,
+        )
+        logger.info("%s", budget.describe())
+        torch.cuda.empty_cache()  # the profiling step's activations go back before the KV cache is allocated
+        return budget.kv_cache
 
-    def _dummy_forward(self, num_tokens: int) -> None:
-        """One prefill of ``num_tokens`` tokens over a throwaway one-block-per-16-tokens cache."""
+    def _graph_shapes(self) -> GraphShapes:
+        mixed = self.config.mixed_cuda_graphs and get_parallel().pp_size == 1
+        return GraphShapes(
+            decode_sizes=list(self.cuda_graph_sizes),
+            mixed_token_sizes=default_mixed_token_sizes(self.config.max_num_batched_tokens or 2048) if mixed else [],
+            vocab_size=self.arch.vocab_size,
+            hidden_size=self.arch.hidden_size,
+            dtype_bytes=torch.empty((), dtype=self.dtype).element_size(),
+            max_blocks_per_seq=-(-self.max_model_len // self.config.block_size),
+            max_num_seqs=self.config.max_num_seqs,
+        )
+
+    def _report_footprint(self) -> None:
+        """Log what the engine holds on the device against its share (CUDA, utilisation budget)."""
+        if self._free_before_load is None:
+            return
+        torch.cuda.synchronize(self.device)
+        free, _total = torch.cuda.mem_get_info(self.device)
+        used = self._free_before_load - free
+        self.memory_report["engine_used_bytes"] = used
+        requested = self.memory_report.get("requested_bytes", 0)
+        logger.info("device memory held by the engine: %.2f GiB of its %.2f GiB share", used / 2**30, requested / 2**30)
+        if used > requested:
+            logger.warning("the engine holds %.2f GiB, over its gpu_memory_utilization share by %.2f GiB",
+                           used / 2**30, (used - requested) / 2**30)
+
+    def _dummy_forward(self, num_tokens: int, sample: bool = False) -> int:
+        """One prefill of ``num_tokens`` tokens over a throwaway one-block-per-16-tokens cache;
+        ``sample``: also the logits and a sampling pass for as many rows as a step can sample.
+        Returns the throwaway cache's bytes."""
         bs = self.config.block_size
         num_blocks = (num_tokens + bs - 1) // bs
         caches = [
@@ -179,8 +256,32 @@ class ModelRunner:
                 intermediate = (zeros, zeros.clone())
             hidden = self.model(ids, positions, caches, meta, intermediate)
             if self.model.is_last_stage:
-                self.model.compute_logits(hidden[-1:])
+                rows = min(num_tokens, self.config.max_num_seqs) if sample else 1
+                logits = self.model.compute_logits(hidden[-rows:])
+                if sample:
+                    self._dummy_sample(logits)
+        scratch = sum(c.numel() * c.element_size() for c in caches)
         del caches, hidden
+        return scratch
+
+    def _dummy_sample(self, logits: torch.Tensor) -> None:
+        """Sample every row with the options that need the most scratch (top-k/top-p,
+        penalties, logprobs), so the sampler's peak is part of the profile."""
+        sampler = self.sampler
+        if not hasattr(sampler, "add_request"):
+            return
+        from tidal_engine.executor.plan import SamplingOptions
+
+        options = SamplingOptions(temperature=0.8, top_k=50, top_p=0.95, min_p=0.05, repetition_penalty=1.1,
+                                  presence_penalty=0.1, frequency_penalty=0.1, logprobs=20)
+        ids = [f"_profile{i}" for i in range(logits.shape[0])]
+        for rid in ids:
+            sampler.add_request(rid, options, [0])
+        try:
+            sampler.sample(logits, ids).result()
+        finally:
+            for rid in ids:
+                sampler.remove_request(rid)
 
     def _warm_up_kernels(self) -> None:
         """Compile the attention kernel's tile variants (16, 32, 64 rows) now, not mid-run:
