@@ -121,6 +121,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="fraction of device memory the engine may use")
     sched.add_argument("--kv-cache-memory-bytes", type=_bytes, default=None,
                        help="explicit KV-cache budget, e.g. 2G (overrides --gpu-memory-utilization)")
+    sched.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3"),
+                       help="KV-cache storage: the model dtype (auto) or float8 e4m3 with per-layer scales "
+                            "from the checkpoint (1.0 otherwise): twice the blocks (docs/quantization.md)")
     sched.add_argument("--num-gpu-blocks-override", type=_positive_int, default=None,
                        help="exact number of KV blocks")
     sched.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
@@ -159,7 +162,6 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         "vLLM features Tidal does not have", "accepted only with the value that turns them off"
     )
     unsupported.add_argument("--quantization", "-q", default=None, help="must be unset or 'none'")
-    unsupported.add_argument("--kv-cache-dtype", default="auto", help="must be 'auto'")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -265,8 +267,6 @@ def check_unsupported(parser: argparse.ArgumentParser, args: argparse.Namespace)
         problems.append("--enable-auto-tool-choice (needs --tool-call-parser)")
     if args.quantization not in (None, "none", "None"):
         problems.append(f"--quantization {args.quantization} (no quantized kernels yet)")
-    if args.kv_cache_dtype != "auto":
-        problems.append(f"--kv-cache-dtype {args.kv_cache_dtype} (only 'auto')")
     if not args.enable_lora:
         given = [flag for flag, value in (("--max-loras", args.max_loras), ("--max-lora-rank", args.max_lora_rank),
                                           ("--max-cpu-loras", args.max_cpu_loras), ("--lora-modules", args.lora_modules),
@@ -301,6 +301,7 @@ def engine_config(parser: argparse.ArgumentParser, args: argparse.Namespace, mod
             gpu_memory_utilization=args.gpu_memory_utilization,
             kv_cache_memory_bytes=args.kv_cache_memory_bytes,
             num_gpu_blocks_override=args.num_gpu_blocks_override,
+            kv_cache_dtype=args.kv_cache_dtype,
             enable_prefix_caching=args.enable_prefix_caching,
             enable_chunked_prefill=args.enable_chunked_prefill,
             enforce_eager=args.enforce_eager,

@@ -20,6 +20,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None  # explicit KV budget (the CPU default is 1 GiB)
     num_gpu_blocks_override: int | None = None
+    # KV-cache storage (vLLM's --kv-cache-dtype): "auto" (the model dtype) or "fp8"/"fp8_e4m3"
+    # (float8 e4m3 with per-layer k/v scales, layers/kv_cache_dtype.py): half the bytes per block.
+    kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     enforce_eager: bool = False  # True: no CUDA graphs (every step runs eagerly)
@@ -90,6 +93,8 @@ class EngineConfig:
             raise ValueError("max_loras and max_lora_rank must be >= 1")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        if self.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
+            raise ValueError(f"kv_cache_dtype must be auto, fp8 or fp8_e4m3, got {self.kv_cache_dtype!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:

@@ -54,7 +54,7 @@ def test_help_groups_flags(capsys: pytest.CaptureFixture[str]) -> None:
         (["serve", "m", "-tp", "2", "--distributed-executor-backend", "uni"], "need distributed_executor_backend 'mp'"),
         (["serve", "m", "-tp", "2", "--runner", "pooling"], "--runner pooling runs on one device"),
         (["serve", "m", "--quantization", "awq"], "--quantization awq"),
-        (["serve", "m", "--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8"),
+        (["serve", "m", "--kv-cache-dtype", "fp8_e5m2"], "argument --kv-cache-dtype: invalid choice"),
         (["serve", "m", "--max-loras", "4"], "--max-loras (needs --enable-lora)"),
         (["serve", "m", "--enable-lora", "--lora-modules", "sql"], "expected name=path"),
         (["serve", "m", "--enable-lora", "--lora-modules", "a=/x", "a=/y"], "names a more than once"),
@@ -98,6 +98,7 @@ def test_serve_maps_flags_to_config_and_settings(monkeypatch: pytest.MonkeyPatch
         "--no-enable-chunked-prefill", "--enable-sleep-mode", "--enforce-eager", "--no-async-scheduling", "--allowed-origins",
         "https://a.example", "--no-protect-metrics", "--disable-log-requests", "--max-request-body-bytes", "1M",
         "--shutdown-timeout", "5", "--api-server-count", "3", "--distributed-executor-backend", "mp",
+        "--kv-cache-dtype", "fp8",
     ])
     assert code == 0
     assert captured["api_server_count"] == 3 and captured["config"].distributed_executor_backend == "mp"
@@ -107,7 +108,7 @@ def test_serve_maps_flags_to_config_and_settings(monkeypatch: pytest.MonkeyPatch
     assert (config.max_model_len, config.max_num_seqs, config.max_num_batched_tokens, config.block_size) == (
         512, 8, 1024, 32)
     assert config.gpu_memory_utilization == 0.5 and config.kv_cache_memory_bytes == 2 << 30
-    assert config.num_gpu_blocks_override == 100
+    assert config.num_gpu_blocks_override == 100 and config.kv_cache_dtype == "fp8"
     assert not config.enable_prefix_caching and not config.enable_chunked_prefill
     assert config.enable_sleep_mode and config.enforce_eager
     assert config.async_scheduling is False  # None (the default) means: on with CUDA

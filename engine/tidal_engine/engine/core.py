@@ -172,8 +172,9 @@ class EngineCore:
         for lora_name, lora_path in (config.lora_modules or {}).items():
             self.add_lora(self.read_lora(lora_name, lora_path, at_startup=True))
         logger.info(
-            "engine core ready: model=%s device=%s dtype=%s kv_blocks=%d block_size=%d max_model_len=%d async_scheduling=%s",
-            self.model_name, self.device, self.dtype, self.executor.num_kv_blocks, config.block_size,
+            "engine core ready: model=%s device=%s dtype=%s kv_blocks=%d block_size=%d kv_cache_dtype=%s "
+            "max_model_len=%d async_scheduling=%s",
+            self.model_name, self.device, self.dtype, self.executor.num_kv_blocks, config.block_size, config.kv_cache_dtype,
             self.max_model_len, self.async_scheduling,
         )
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from tidal_engine.layers.kv_cache_dtype import to_cache
+
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``x / sqrt(mean(x**2, -1) + eps) * weight`` over the last dim, statistics in fp32."""
@@ -85,15 +87,17 @@ def rotary_embedding_ref(
 
 
 def write_kv_ref(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> None:
     """Scatter ``key/value [T, Hkv, D]`` into ``kv_cache [2, blocks, block_size, Hkv, D]`` at the
-    flat slots ``slot_mapping [T]`` (-1: skip). Same as ``TorchAttentionBackend.write_kv``."""
+    flat slots ``slot_mapping [T]`` (-1: skip). Same as ``TorchAttentionBackend.write_kv``; an
+    fp8 cache stores ``key / k_scale`` and ``value / v_scale`` (layers/kv_cache_dtype.py)."""
     num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
     keep = slot_mapping >= 0
     flat = kv_cache.view(2, num_blocks * block_size, *kv_cache.shape[3:])
-    flat[0, slot_mapping[keep]] = key[keep].to(kv_cache.dtype)
-    flat[1, slot_mapping[keep]] = value[keep].to(kv_cache.dtype)
+    flat[0, slot_mapping[keep]] = to_cache(key[keep], k_scale, kv_cache.dtype)
+    flat[1, slot_mapping[keep]] = to_cache(value[keep], v_scale, kv_cache.dtype)
 
 
 def qkv_prologue_ref(
@@ -108,6 +112,8 @@ def qkv_prologue_ref(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """The attention prologue of one layer: split ``qkv [T, (H + 2*Hkv) * D]`` into heads,
     RMS-normalise q and k per head (when the weights are given), rotate them (neox, fp32, one
@@ -124,5 +130,5 @@ def qkv_prologue_ref(
         k = rms_norm_ref(k, k_norm_weight, eps)
     q, k_rot = rotary_embedding_ref(positions, q, k, cos_sin_cache, head_dim)
     assert k_rot is not None
-    write_kv_ref(k_rot, v, kv_cache, slot_mapping)
+    write_kv_ref(k_rot, v, kv_cache, slot_mapping, k_scale, v_scale)
     return q.contiguous()

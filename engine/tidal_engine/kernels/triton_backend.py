@@ -37,14 +37,17 @@ class TritonAttentionBackend:
         self._kv = kv_write
 
     def write_kv(
-        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+        k_scale: float = 1.0, v_scale: float = 1.0,
     ) -> None:
-        """Store ``key/value [T, Hkv, D]`` into their slots of ``kv_cache`` (slot -1: skip)."""
+        """Store ``key/value [T, Hkv, D]`` into their slots of ``kv_cache`` (slot -1: skip); an
+        fp8 cache stores them divided by the layer's scales."""
         assert self._kv is not None
-        self._kv.write_kv(key, value, kv_cache, slot_mapping)
+        self._kv.write_kv(key, value, kv_cache, slot_mapping, k_scale, v_scale)
 
     def forward(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+        k_scale: float = 1.0, v_scale: float = 1.0,
     ) -> torch.Tensor:
         """Causal attention of ``query [T, H, D]`` over the paged cache (already holding this
         step's K/V); returns ``[T, H, D]`` in query's dtype."""
@@ -59,6 +62,8 @@ class TritonAttentionBackend:
             meta.max_query_len,
             block_m=self.block_m,
             block_n=self.block_n,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
 
 

@@ -10,6 +10,9 @@ The KV cache of one layer is a tensor ``[2, num_blocks, block_size, num_kv_heads
 head_dim]`` (keys, then values). Token position p of request i is stored in block
 ``block_tables[i, p // block_size]`` at offset ``p % block_size``; ``slot_mapping``
 gives each new token's flat slot ``block * block_size + offset`` (-1: don't store).
+An fp8 cache (``--kv-cache-dtype fp8``) holds ``k / k_scale`` and ``v / v_scale`` in e4m3
+(layers/kv_cache_dtype.py); every backend takes the layer's two scales and ignores them for
+any other cache dtype.
 
 Backends: ``TorchAttentionBackend`` (the reference, any device) and the Triton one
 in ``tidal_engine.kernels.triton`` (GPU), chosen once at start-up.
@@ -22,6 +25,8 @@ from typing import Protocol
 
 import torch
 from torch import nn
+
+from tidal_engine.layers.kv_cache_dtype import from_cache, to_cache
 
 
 @dataclass
@@ -48,11 +53,15 @@ class AttentionMetadata:
 class AttentionBackend(Protocol):
     name: str
 
-    def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    def write_kv(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+        k_scale: float = 1.0, v_scale: float = 1.0,
+    ) -> None:
         """Store new keys/values ``[num_tokens, num_kv_heads, head_dim]`` into their slots."""
 
     def forward(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+        k_scale: float = 1.0, v_scale: float = 1.0,
     ) -> torch.Tensor:
         """Causal attention of ``query [num_tokens, num_heads, head_dim]`` over the paged cache
         (which already holds this step's keys and values). Returns the same shape as query."""
@@ -63,19 +72,23 @@ class TorchAttentionBackend:
 
     name = "torch"
 
-    def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    def write_kv(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+        k_scale: float = 1.0, v_scale: float = 1.0,
+    ) -> None:
         num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
         keep = slot_mapping >= 0
         slots = slot_mapping[keep]
         flat = kv_cache.view(2, num_blocks * block_size, *kv_cache.shape[3:])
-        flat[0, slots] = key[keep].to(kv_cache.dtype)
-        flat[1, slots] = value[keep].to(kv_cache.dtype)
+        flat[0, slots] = to_cache(key[keep], k_scale, kv_cache.dtype)
+        flat[1, slots] = to_cache(value[keep], v_scale, kv_cache.dtype)
 
     def forward(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+        k_scale: float = 1.0, v_scale: float = 1.0,
     ) -> torch.Tensor:
         if meta.is_decode_only:
-            return self._decode(query, kv_cache, meta, scale)
+            return self._decode(query, kv_cache, meta, scale, k_scale, v_scale)
         block_size, head_dim = kv_cache.shape[2], kv_cache.shape[4]
         num_heads, num_kv_heads = query.shape[1], kv_cache.shape[3]
         out = torch.empty_like(query)
@@ -95,8 +108,8 @@ class TorchAttentionBackend:
             mask = k_pos[None, :] <= q_pos[:, None]
             attn = torch.nn.functional.scaled_dot_product_attention(
                 q.transpose(0, 1).to(torch.float32),
-                k.transpose(0, 1).to(torch.float32),
-                v.transpose(0, 1).to(torch.float32),
+                from_cache(k, k_scale).transpose(0, 1),
+                from_cache(v, v_scale).transpose(0, 1),
                 attn_mask=mask,
                 scale=scale,
                 enable_gqa=num_heads != num_kv_heads,
@@ -105,7 +118,10 @@ class TorchAttentionBackend:
         return out
 
     @staticmethod
-    def _decode(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def _decode(
+        query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, k_scale: float,
+        v_scale: float,
+    ) -> torch.Tensor:
         """One query per sequence: gather every context at once and attend in one batched op,
         grouping the query heads that share a KV head (no copies for GQA)."""
         num_seqs, num_heads, head_dim = query.shape
@@ -113,8 +129,8 @@ class TorchAttentionBackend:
         group = num_heads // num_kv_heads
         width = (meta.max_seq_len + block_size - 1) // block_size
         blocks = meta.block_tables[:, :width].long()
-        k = kv_cache[0, blocks].reshape(num_seqs, width * block_size, num_kv_heads, head_dim).float()
-        v = kv_cache[1, blocks].reshape(num_seqs, width * block_size, num_kv_heads, head_dim).float()
+        k = from_cache(kv_cache[0, blocks].reshape(num_seqs, width * block_size, num_kv_heads, head_dim), k_scale)
+        v = from_cache(kv_cache[1, blocks].reshape(num_seqs, width * block_size, num_kv_heads, head_dim), v_scale)
         valid = torch.arange(width * block_size, device=query.device)[None, :] < meta.seq_lens[:, None]
         # Padding slots may hold anything (even NaN). Masking the scores covers the keys; the
         # values need zeros so the masked weights (exact zeros) keep the sum finite.
@@ -131,7 +147,8 @@ class Attention(nn.Module):
     """The attention op of one layer: store this step's K/V, then attend over the cache.
 
     ``forward`` does both; ``forward_prepared`` only attends, for callers that have already
-    stored K/V themselves (the fused QKV prologue of the Triton path).
+    stored K/V themselves (the fused QKV prologue of the Triton path). ``k_scale``/``v_scale``
+    are the layer's fp8 KV scales (1.0 unless the checkpoint gives them; unused by other caches).
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
@@ -140,6 +157,8 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.k_scale = 1.0
+        self.v_scale = 1.0
         self.backend: AttentionBackend = TorchAttentionBackend()
 
     def forward(
@@ -154,13 +173,15 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        self.backend.write_kv(k, v, kv_cache, meta.slot_mapping)
-        out = self.backend.forward(q, kv_cache, meta, self.scale)
+        self.backend.write_kv(k, v, kv_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+        out = self.backend.forward(q, kv_cache, meta, self.scale, self.k_scale, self.v_scale)
         return out.reshape(-1, self.num_heads * self.head_dim)
 
     def forward_prepared(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Attention alone: ``kv_cache`` already holds this step's K/V. q: [T, H, D] or [T, H*D] → [T, H*D]."""
-        out = self.backend.forward(q.view(-1, self.num_heads, self.head_dim), kv_cache, meta, self.scale)
+        out = self.backend.forward(
+            q.view(-1, self.num_heads, self.head_dim), kv_cache, meta, self.scale, self.k_scale, self.v_scale
+        )
         return out.reshape(-1, self.num_heads * self.head_dim)
 
 

@@ -25,6 +25,7 @@ from torch import nn
 from tidal_engine.kernels.fused import use_fused
 from tidal_engine.layers.activation import SiluAndMul
 from tidal_engine.layers.attention import Attention, AttentionMetadata
+from tidal_engine.layers.kv_cache_dtype import kv_scale_kind, scalar_scale
 from tidal_engine.distributed.parallel_state import get_parallel
 from tidal_engine.distributed.partition import layer_range
 from tidal_engine.layers.linear import (
@@ -33,6 +34,7 @@ from tidal_engine.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    as_tensor,
     copy_checked,
 )
 from tidal_engine.layers.norm import RMSNorm
@@ -110,6 +112,8 @@ class DecoderAttention(nn.Module):
             self.num_heads,
             self.num_kv_heads,
             self.head_dim,
+            self.attn.k_scale,
+            self.attn.v_scale,
         )
         return self.attn.forward_prepared(q, kv_cache, meta)
 
@@ -163,6 +167,7 @@ _MERGED_SHARDS: dict[str, tuple[str, str]] = {
     "mlp.up_proj": ("mlp.gate_up_proj", "up"),
 }
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+_LAYER_SUFFIX = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
 class MissingLayer(nn.Module):
@@ -241,6 +246,8 @@ class LlamaForCausalLM(nn.Module):
                 continue  # old checkpoints save the rotary buffer; we compute our own
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # tied: the embedding is the head
+            if self._load_kv_scale(name, tensor):
+                continue  # optional: fp8 KV-cache scales (1.0 where absent)
             if name not in expected:
                 raise ValueError(f"unexpected tensor in checkpoint: {name} {tuple(tensor.shape)}")
             if not self._holds(name):
@@ -258,6 +265,24 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
             raise ValueError(f"checkpoint is missing {len(missing)} tensor(s): {shown}")
+
+    def _load_kv_scale(self, name: str, tensor: Any) -> bool:
+        """Take ``name`` if it is a layer's KV-cache scale (any of the names checkpoints use);
+        returns whether it was one. The scales only matter for an fp8 cache."""
+        match = _LAYER_SUFFIX.match(name)
+        kind = kv_scale_kind(match.group(2)) if match is not None else None
+        if kind is None or match is None or int(match.group(1)) >= self.config.num_hidden_layers:
+            return False  # not a scale, or no such layer: load_weights reports it
+        index = int(match.group(1))
+        if kind == "ignore" or not self.start_layer <= index < self.end_layer:
+            return True
+        value = scalar_scale(name, as_tensor(tensor))
+        attn = self.layers[index].self_attn.attn
+        if kind in ("k", "kv"):
+            attn.k_scale = value
+        if kind in ("v", "kv"):
+            attn.v_scale = value
+        return True
 
     def _holds(self, name: str) -> bool:
         """Whether this pipeline stage keeps the checkpoint tensor ``name``."""

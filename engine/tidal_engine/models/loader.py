@@ -153,7 +153,7 @@ class LazySlice:
     def read(self) -> torch.Tensor:
         try:
             if not self._ranges:
-                return self._handle[:]
+                return self._handle[()]  # a 0-dim tensor (e.g. a per-tensor scale): no slice applies
             return self._handle[tuple(slice(a, b) for a, b in self._ranges)]
         except Exception as exc:  # safetensors raises its own error types
             raise ValueError(f"cannot read safetensors file {self._file}: {exc}") from None

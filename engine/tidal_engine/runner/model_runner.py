@@ -22,6 +22,7 @@ import torch
 from tidal_engine.config import EngineConfig
 from tidal_engine.distributed.parallel_state import get_parallel
 from tidal_engine.layers.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend, set_attention_backend
+from tidal_engine.layers.kv_cache_dtype import kv_cache_torch_dtype
 from tidal_engine.lora.manager import create_lora_manager
 from tidal_engine.models.loader import ModelSource, load_model
 from tidal_engine.runner.cuda_graphs import DecodeGraphs
@@ -117,7 +118,9 @@ class ModelRunner:
         set_attention_backend(self.model, self.backend)
         # Multi-LoRA: adapter slots and hooks on the linears; None unless enable_lora.
         self.lora_manager = create_lora_manager(self.model, self.arch, config)
-        self.kv_spec = kv_cache_spec(self.model, config.block_size, dtype)
+        # The cache's storage dtype: the model's, or fp8 (half the bytes, so twice the blocks).
+        self.kv_dtype = kv_cache_torch_dtype(getattr(config, "kv_cache_dtype", "auto"), dtype)
+        self.kv_spec = kv_cache_spec(self.model, config.block_size, self.kv_dtype)
         self.sampler = (sampler_factory or default_sampler)(self.arch.vocab_size, config.max_num_seqs, device)
         self.staging = PinnedStaging(device)
         # Every live request's row: tokens, block table (mirrored on the device), last sample.
@@ -233,7 +236,8 @@ class ModelRunner:
         bs = self.config.block_size
         num_blocks = (num_tokens + bs - 1) // bs
         caches = [
-            torch.zeros(2, num_blocks, bs, self.kv_spec.num_kv_heads, self.kv_spec.head_dim, dtype=self.dtype, device=self.device)
+            torch.zeros(2, num_blocks, bs, self.kv_spec.num_kv_heads, self.kv_spec.head_dim, dtype=self.kv_dtype,
+                        device=self.device)
             for _ in range(self.kv_spec.num_layers)
         ]
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
@@ -307,7 +311,7 @@ class ModelRunner:
 
     def _allocate_kv_caches(self) -> list[torch.Tensor]:
         shape = (2, self.num_blocks, self.config.block_size, self.kv_spec.num_kv_heads, self.kv_spec.head_dim)
-        return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.kv_spec.num_layers)]
+        return [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(self.kv_spec.num_layers)]
 
     # ---- one step ----------------------------------------------------------------------
     def _graph_bucket(self, step: StepInput, width: int) -> int | None:

@@ -22,3 +22,8 @@ def check_same_device(**tensors: torch.Tensor) -> None:
 
 
 FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
+
+# A KV cache may also be fp8 e4m3 (--kv-cache-dtype fp8): stored as x / scale, clamped to this.
+FP8_KV_DTYPE = torch.float8_e4m3fn
+FP8_E4M3_MAX = 448.0
+KV_CACHE_DTYPES: tuple[torch.dtype, ...] = FLOAT_DTYPES + (FP8_KV_DTYPE,)

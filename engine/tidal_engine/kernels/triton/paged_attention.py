@@ -35,6 +35,10 @@ graph replays the same launch for every context length; any value computes any b
 With ``num_splits == 1`` the first kernel writes ``out`` directly: no scratch, no reduce.
 
 Softmax is the online (streaming) one in fp32, with exp2 and the scale folded into log2(e).
+
+An fp8 cache (e4m3fn, ``--kv-cache-dtype fp8``) holds ``k / k_scale`` and ``v / v_scale``: K/V
+tiles are widened to the query's dtype in registers (the point is reading half the bytes),
+``k_scale`` is folded into the softmax scale and ``v_scale`` multiplies the output.
 """
 
 from __future__ import annotations
@@ -45,7 +49,13 @@ import torch
 import triton
 import triton.language as tl
 
-from tidal_engine.kernels.triton._common import FLOAT_DTYPES, check_dtype, check_same_device, next_power_of_2
+from tidal_engine.kernels.triton._common import (
+    FLOAT_DTYPES,
+    FP8_KV_DTYPE,
+    check_dtype,
+    check_same_device,
+    next_power_of_2,
+)
 
 _LOG2E = 1.4426950408889634
 
@@ -70,7 +80,8 @@ def _paged_attention_kernel(
     block_tables_ptr,
     seq_lens_ptr,
     query_start_loc_ptr,
-    scale_log2,  # softmax scale * log2(e): scores go straight into exp2
+    scale_log2,  # softmax scale * log2(e) (* k_scale for an fp8 cache): scores go straight into exp2
+    v_scale,  # read only when KV_FP8
     num_seqs,
     num_tokens,  # T, the rows of query / out / the scratch
     num_heads,
@@ -92,6 +103,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,  # keys per inner iteration
     DOT_PRECISION: tl.constexpr,
     SPLIT: tl.constexpr,  # num_splits > 1: partial results to the scratch, else straight to out
+    KV_FP8: tl.constexpr,  # the cache is fp8: widen K/V tiles to q's dtype, scale the output by v_scale
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -166,6 +178,8 @@ def _paged_attention_kernel(
         k_t = tl.load(
             k_cache_ptr + slot_off[None, :] + d[:, None], mask=k_valid[None, :] & d_valid[:, None], other=0.0
         )  # [D, BLOCK_N]
+        if KV_FP8:
+            k_t = k_t.to(q.dtype)
         s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * scale_log2
         visible = (k_pos[None, :] <= row_pos[:, None]) & k_valid[None, :]
         s = tl.where(visible, s, float("-inf"))
@@ -177,11 +191,15 @@ def _paged_attention_kernel(
         v = tl.load(
             v_cache_ptr + slot_off[:, None] + d[None, :], mask=k_valid[:, None] & d_valid[None, :], other=0.0
         )  # [BLOCK_N, D]
+        if KV_FP8:
+            v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     seen = l_i > 0.0  # False only for rows that saw no key (possible only in a split)
     acc = acc / tl.where(seen, l_i, 1.0)[:, None]
+    if KV_FP8:
+        acc = acc * v_scale  # linear: the split partials may carry it into the combine
     if SPLIT:
         lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
         tl.store(partial_lse_ptr + p_row, lse, mask=row_valid)
@@ -347,6 +365,8 @@ def paged_attention(
     block_m: int | None = None,
     block_n: int | None = None,
     num_splits: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal paged attention of ``query [T, H, D]`` over ``kv_cache [2, blocks, block_size, Hkv, D]``.
 
@@ -358,6 +378,8 @@ def paged_attention(
     the tile sizes (powers of two, ``block_m >= H // Hkv``, both >= 16). ``num_splits``
     (1..MAX_SPLITS) overrides the KV split count; None picks it from the launch's shape
     (``choose_num_splits``), never from tensor values, so it is safe under graph capture.
+    ``kv_cache`` is in query's dtype, or fp8 e4m3fn holding ``k / k_scale`` and ``v / v_scale``
+    (the scales are ignored for any other cache dtype).
     """
     if query.dim() != 3:
         raise ValueError(f"query must be [num_tokens, num_heads, head_dim], got shape {tuple(query.shape)}")
@@ -372,8 +394,9 @@ def paged_attention(
     if num_heads % num_kv_heads != 0:
         raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
     check_dtype("query", query, FLOAT_DTYPES)
-    if kv_cache.dtype != query.dtype:
-        raise TypeError(f"kv_cache dtype {kv_cache.dtype} != query dtype {query.dtype}")
+    kv_fp8 = kv_cache.dtype == FP8_KV_DTYPE
+    if kv_cache.dtype != query.dtype and not kv_fp8:
+        raise TypeError(f"kv_cache dtype {kv_cache.dtype} is neither query's ({query.dtype}) nor {FP8_KV_DTYPE}")
     if block_tables.dim() != 2 or block_tables.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"block_tables must be a 2-D int32/int64 tensor, got {block_tables.dtype} {tuple(block_tables.shape)}")
     num_seqs = seq_lens.shape[0]
@@ -435,7 +458,8 @@ def paged_attention(
         block_tables,
         seq_lens,
         query_start_loc,
-        scale * _LOG2E,
+        scale * (k_scale if kv_fp8 else 1.0) * _LOG2E,
+        v_scale,
         num_seqs,
         num_tokens,
         num_heads,
@@ -458,6 +482,7 @@ def paged_attention(
         # fp32 inputs: true fp32 products (tf32 would cost ~1e-3 accuracy); 16-bit: native.
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         SPLIT=split,
+        KV_FP8=kv_fp8,
         num_warps=4 if block_m * max(16, next_power_of_2(head_dim)) <= 64 * 128 else 8,
     )
     if split:

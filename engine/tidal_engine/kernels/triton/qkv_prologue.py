@@ -10,7 +10,8 @@ Numerics are those of the separate Triton kernels run in sequence (``rms_norm_he
 ``rotary_embedding`` → ``write_kv``), rounding point for rounding point: the norm's statistics
 use the same ``[heads, head_dim]`` tile and reduction, its result is rounded to the model dtype
 before and after the weight, the rotation runs in fp32 on those rounded values and is rounded
-once, and k is rounded to the model dtype before it is cast to the cache's dtype.
+once, and k is rounded to the model dtype before it is cast to the cache's dtype (for an fp8
+cache: divided by the layer's k_scale, clamped and rounded, as ``write_kv`` does).
 """
 
 from __future__ import annotations
@@ -19,7 +20,15 @@ import torch
 import triton
 import triton.language as tl
 
-from tidal_engine.kernels.triton._common import FLOAT_DTYPES, check_dtype, check_same_device, next_power_of_2
+from tidal_engine.kernels.triton._common import (
+    FLOAT_DTYPES,
+    FP8_KV_DTYPE,
+    KV_CACHE_DTYPES,
+    check_dtype,
+    check_same_device,
+    next_power_of_2,
+)
+from tidal_engine.kernels.triton.kv_write import to_cache_value
 
 
 @triton.jit
@@ -75,6 +84,8 @@ def _qkv_prologue_kernel(
     k_cache_ptr,
     v_cache_ptr,
     slot_mapping_ptr,
+    inv_k_scale,  # 1 / k_scale, 1 / v_scale: read only when FP8
+    inv_v_scale,
     stride_qkv_t,
     stride_cs,
     stride_cb,
@@ -91,6 +102,7 @@ def _qkv_prologue_kernel(
     HALF_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     HAS_NORM: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     # Two programs per token, q's heads and k/v's heads (in parallel: a decode step has a
     # single token); the grid depends on the token count alone, so a CUDA graph captured for
@@ -128,14 +140,15 @@ def _qkv_prologue_kernel(
         k_mask = (hk < NUM_KV_HEADS)[:, None] & (j < HALF)[None, :]
         k_dst = k_cache_ptr + base + hk[:, None] * stride_ch + j[None, :]
         # k was already rounded to the model dtype; this cast only matters for another cache dtype.
-        tl.store(k_dst, k1.to(k_cache_ptr.dtype.element_ty), mask=k_mask)
-        tl.store(k_dst + HALF, k2.to(k_cache_ptr.dtype.element_ty), mask=k_mask)
+        cache_ty = k_cache_ptr.dtype.element_ty
+        tl.store(k_dst, to_cache_value(k1, inv_k_scale, cache_ty, FP8), mask=k_mask)
+        tl.store(k_dst + HALF, to_cache_value(k2, inv_k_scale, cache_ty, FP8), mask=k_mask)
         d = tl.arange(0, DIM_PAD)
         v_mask = (hk < NUM_KV_HEADS)[:, None] & (d < HEAD_DIM)[None, :]
         v_src = row + (NUM_HEADS + NUM_KV_HEADS) * HEAD_DIM + hk[:, None] * HEAD_DIM + d[None, :]
         v = tl.load(v_src, mask=v_mask)
         v_dst = v_cache_ptr + base + hk[:, None] * stride_ch + d[None, :]
-        tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=v_mask)
+        tl.store(v_dst, to_cache_value(v, inv_v_scale, v_cache_ptr.dtype.element_ty, FP8), mask=v_mask)
 
 
 def qkv_prologue(
@@ -150,6 +163,8 @@ def qkv_prologue(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Everything between the QKV projection and attention, in one launch.
 
@@ -161,7 +176,8 @@ def qkv_prologue(
       (both given, or both None for no norm; one ``eps`` for both, as the models build them),
       then rotated neox-style (halves) in fp32 and rounded to qkv's dtype;
     - k (normed, rotated) and v (as is) go to ``kv_cache [2, num_blocks, block_size, Hkv, D]``
-      at flat slot ``slot_mapping[t]`` (cast to the cache's dtype); slots < 0 store nothing.
+      at flat slot ``slot_mapping[t]`` (cast to the cache's dtype; an fp8 cache stores
+      ``k / k_scale`` and ``v / v_scale``); slots < 0 store nothing.
 
     Returns q as a new contiguous ``[T, H, D]`` in qkv's dtype, one row for every token (slot
     -1 padding too). Same numbers as ``rms_norm_heads`` → ``rotary_embedding`` → ``write_kv``;
@@ -188,8 +204,9 @@ def qkv_prologue(
     if (q_norm_weight is None) != (k_norm_weight is None):
         raise ValueError("q_norm_weight and k_norm_weight must be given together")
     has_norm = q_norm_weight is not None and k_norm_weight is not None
-    for name, t in (("qkv", qkv), ("cos_sin_cache", cos_sin_cache), ("kv_cache", kv_cache)):
+    for name, t in (("qkv", qkv), ("cos_sin_cache", cos_sin_cache)):
         check_dtype(name, t, FLOAT_DTYPES)
+    check_dtype("kv_cache", kv_cache, KV_CACHE_DTYPES)
     tensors = dict(
         qkv=qkv, positions=positions, cos_sin_cache=cos_sin_cache, kv_cache=kv_cache, slot_mapping=slot_mapping
     )
@@ -225,6 +242,8 @@ def qkv_prologue(
         kv_cache[0],
         kv_cache[1],
         slot_mapping,
+        1.0 / k_scale,
+        1.0 / v_scale,
         qkv.stride(0),
         cos_sin_cache.stride(0),
         kv_cache.stride(1),
@@ -241,6 +260,7 @@ def qkv_prologue(
         HALF_PAD=next_power_of_2(half),
         BLOCK_SIZE=kv_cache.shape[2],
         HAS_NORM=has_norm,
+        FP8=kv_cache.dtype == FP8_KV_DTYPE,
         num_warps=4,  # as the separate kernels: same tile layouts, so the same reduction order
     )
     return q
