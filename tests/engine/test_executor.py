@@ -402,6 +402,28 @@ def test_sleep_and_wake_through_rpc(tiny_dir: Path, reference: dict[str, list[in
         executor.shutdown()
 
 
+def test_level1_sleep_is_one_copy_into_a_reused_host_buffer(tiny_dir: Path, reference: dict[str, list[int]]) -> None:
+    # The parameters are views into one flat buffer; the host copy is allocated at the first
+    # sleep and the same buffer takes every later one; greedy output after each wake is unchanged.
+    executor = create_executor(_config(tiny_dir), sampler_factory=_sampler_factory())
+    try:
+        runner = _worker(executor).runner
+        flat_views = {p.untyped_storage().data_ptr() for p in runner.model.parameters()}
+        assert len(flat_views) == 1
+        hosts = []
+        for _ in range(2):
+            executor.collective_rpc("sleep", 1)
+            assert executor.collective_rpc("memory_usage")[0]["offloaded_weights_bytes"] == runner.weights.nbytes
+            hosts.append(runner.weights._host.data_ptr())
+            assert executor.collective_rpc("wake_up", None) == [False]
+            assert not runner.kv_caches[0].any()  # a fresh cache, nothing re-profiled
+            assert executor.num_kv_blocks == NUM_BLOCKS
+            assert _run(executor, rids=["a", "c"]) == {rid: reference[rid] for rid in "ac"}
+        assert hosts[0] == hosts[1]
+    finally:
+        executor.shutdown()
+
+
 # ---------------------------------------------------------------------------------------
 # Multiprocess
 

@@ -16,6 +16,8 @@ from tidal_engine.models.loader import (
     HFFolderSource,
     gguf_to_hf_name,
     load_model,
+    read_safetensors,
+    read_safetensors_parallel,
     resolve_dtype,
     resolve_model,
     unpermute_rotary_rows,
@@ -100,6 +102,16 @@ def test_sharded_folder_loads_with_parity(tmp_path: Path) -> None:
     ours = load_model(source, torch.float32, CPU)
     ids = list(range(3, 30))
     assert (run_chunks(ours, ids, 5, block_size=4) - hf_logits(hf_model, ids)).abs().max().item() <= 1e-4
+
+
+def test_parallel_reads_give_every_tensor_of_every_shard(tmp_path: Path) -> None:
+    hf_model = make_tiny_model("qwen2_tied", tmp_path)
+    hf_model.save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
+    files = resolve_model(str(tmp_path / "sharded")).weight_files
+    serial = dict(read_safetensors(files))
+    parallel = dict(read_safetensors_parallel(files, CPU, workers=3, window=4))
+    assert serial.keys() == parallel.keys()
+    assert all(torch.equal(serial[k], parallel[k]) and serial[k].dtype == parallel[k].dtype for k in serial)
 
 
 def test_nonexistent_path() -> None:

@@ -116,6 +116,67 @@ def read_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
             raise ValueError(f"cannot read safetensors file {file}: {exc}") from None
 
 
+_SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+
+def _safetensors_entries(file: Path) -> tuple[int, dict[str, Any]]:
+    """The offset of the data section and the header's tensor entries."""
+    with file.open("rb") as handle:
+        (header_len,) = struct.unpack("<Q", handle.read(8))
+        header: dict[str, Any] = json.loads(handle.read(header_len))
+    header.pop("__metadata__", None)
+    return 8 + header_len, header
+
+
+def read_safetensors_parallel(
+    files: list[Path], device: torch.device | str, workers: int = 8, window: int = 16
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs of every file, read by ``workers`` threads straight from the files'
+    memory maps (the page cache when warm) and, on a GPU, copied to ``device`` by the same
+    threads, so reads and uploads overlap; at most ``window`` tensors are in flight."""
+    from collections import deque
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+
+    device = torch.device(device)
+    jobs: list[tuple[str, Any, torch.dtype, list[int], int, int]] = []
+    for file in files:
+        try:
+            base, entries = _safetensors_entries(file)
+            mapped = np.memmap(file, dtype=np.uint8, mode="c")  # copy-on-write: torch wants a writable buffer
+        except (OSError, ValueError, struct.error, json.JSONDecodeError) as exc:
+            raise ValueError(f"cannot read safetensors file {file}: {exc}") from None
+        for name, entry in entries.items():
+            dtype = _SAFETENSORS_DTYPES.get(entry["dtype"])
+            if dtype is None:
+                raise ValueError(f"safetensors file {file}: tensor {name} has unsupported dtype {entry['dtype']}")
+            start, end = (int(x) for x in entry["data_offsets"])
+            jobs.append((name, mapped, dtype, [int(d) for d in entry["shape"]], base + start, end - start))
+
+    def fetch(job: tuple[str, Any, torch.dtype, list[int], int, int]) -> torch.Tensor:
+        _name, mapped, dtype, shape, offset, nbytes = job
+        if nbytes == 0:
+            return torch.empty(shape, dtype=dtype)
+        tensor = torch.frombuffer(mapped, dtype=torch.uint8, count=nbytes, offset=offset).view(dtype).view(shape)
+        return tensor.to(device) if device.type != "cpu" else tensor.clone()
+
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tidal-load") as pool:
+        pending: deque = deque()
+        for job in jobs:
+            pending.append((job[0], pool.submit(fetch, job)))
+            if len(pending) >= window:
+                name, future = pending.popleft()
+                yield name, future.result()
+        while pending:
+            name, future = pending.popleft()
+            yield name, future.result()
+
+
 def checked_safetensors(folder: Path) -> list[Path]:
     """The folder's weight files (sharded or not), each checked against truncation."""
     files = _find_safetensors(folder)
@@ -428,12 +489,27 @@ def load_model(
             model = LlamaForCausalLM(source.arch_config)
     finally:
         torch.set_default_dtype(previous_dtype)
+    model.requires_grad_(False)
+    fill_weights(model, source, load_format)
+    return model.eval()
+
+
+def fill_weights(model: LlamaForCausalLM, source: ModelSource, load_format: str = "auto") -> None:
+    """Write the checkpoint into the model's existing parameters (start-up, and the wake from
+    sleep level 2, which reuses the parameters' device memory). A single-rank model on an HF
+    folder reads its tensors in parallel (``read_safetensors_parallel``)."""
     if load_format == "dummy":
         fill_dummy_weights(model)
-    else:
-        model.load_weights(source.load_weight_slices())
-    model.requires_grad_(False)
-    return model.eval()
+        return
+    from tidal_engine.distributed.parallel_state import get_parallel
+
+    parallel = get_parallel()
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        if isinstance(source, HFFolderSource) and parallel.tp_size == 1 and parallel.pp_size == 1:
+            model.load_weights(read_safetensors_parallel(source.weight_files, device))
+        else:
+            model.load_weights(source.load_weight_slices())
 
 
 def fill_dummy_weights(model: torch.nn.Module, std: float = 0.02) -> None:

@@ -24,8 +24,9 @@ from tidal_engine.distributed.parallel_state import get_parallel
 from tidal_engine.layers.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend, set_attention_backend
 from tidal_engine.layers.kv_cache_dtype import kv_cache_torch_dtype
 from tidal_engine.lora.manager import create_lora_manager
-from tidal_engine.models.loader import ModelSource, load_model
+from tidal_engine.models.loader import ModelSource, fill_weights, load_model
 from tidal_engine.runner.cuda_graphs import DecodeGraphs
+from tidal_engine.runner.cuda_vmm import VmmRange
 from tidal_engine.runner.input_buffers import (
     PinnedStaging,
     StepInput,
@@ -46,6 +47,7 @@ from tidal_engine.runner.memory_budget import (
 )
 from tidal_engine.runner.mixed_graphs import MixedGraphs
 from tidal_engine.runner.persistent_batch import PersistentBatch
+from tidal_engine.runner.weight_store import WeightStore, pack_offsets
 
 if TYPE_CHECKING:  # the sampler's module is imported lazily (see default_sampler)
     from tidal_engine.runner.sampler import SampledTokens
@@ -118,6 +120,12 @@ class ModelRunner:
         set_attention_backend(self.model, self.backend)
         # Multi-LoRA: adapter slots and hooks on the linears; None unless enable_lora.
         self.lora_manager = create_lora_manager(self.model, self.arch, config)
+        # The parameters as views into one flat buffer: sleep and wake are one copy each way;
+        # with sleep mode on CUDA its addresses (and the KV cache's) survive sleep, so the
+        # CUDA graphs are kept (runner/weight_store.py, runner/cuda_vmm.py).
+        self.weights = WeightStore(self.model, device, fixed_addresses=config.enable_sleep_mode)
+        self._kv_range: VmmRange | None = None
+        self._kv_resident = False
         # The cache's storage dtype: the model's, or fp8 (half the bytes, so twice the blocks).
         self.kv_dtype = kv_cache_torch_dtype(getattr(config, "kv_cache_dtype", "auto"), dtype)
         self.kv_spec = kv_cache_spec(self.model, config.block_size, self.kv_dtype)
@@ -310,7 +318,20 @@ class ModelRunner:
             logger.info("one-row linears: %d on the Triton GEMV, %d on cuBLAS", counts["gemv"], counts["cublas"])
 
     def _allocate_kv_caches(self) -> list[torch.Tensor]:
+        """One cache per layer. With sleep mode on CUDA they are views into one fixed-address
+        range whose memory sleep gives back and wake maps again at the same addresses."""
         shape = (2, self.num_blocks, self.config.block_size, self.kv_spec.num_kv_heads, self.kv_spec.head_dim)
+        self._kv_resident = True
+        if self.config.enable_sleep_mode and self.device.type == "cuda":
+            layer_bytes = self.num_blocks * self.kv_spec.bytes_per_block // self.kv_spec.num_layers
+            offsets, total = pack_offsets([layer_bytes] * self.kv_spec.num_layers)
+            self._kv_range = VmmRange.create(total, self.device)
+            if self._kv_range is not None:
+                flat = self._kv_range.tensor
+                caches = [flat[o: o + layer_bytes].view(self.kv_dtype).view(shape) for o in offsets]
+                for cache in caches:
+                    cache.zero_()
+                return caches
         return [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(self.kv_spec.num_layers)]
 
     # ---- one step ----------------------------------------------------------------------
@@ -530,66 +551,75 @@ class ModelRunner:
         self.mixed_graphs = None
 
     def _maybe_recapture(self) -> None:
-        weights_home = all(_on_device(t, self.device) and t.numel() > 0 for t in self.model.parameters())
-        if self.graphs is None and weights_home and self.kv_caches:
+        if self.graphs is None and self.weights.resident and self._kv_resident:
             self.capture_cuda_graphs()
 
     # ---- sleep mode ------------------------------------------------------------------
+    def weights_resident(self) -> bool:
+        return self.weights.resident
+
+    def kv_cache_resident(self) -> bool:
+        return self._kv_resident
+
     def release_kv_cache(self) -> None:
-        self._drop_cuda_graphs()  # they point into the cache
-        self.kv_caches = []
-        _free_device_memory(self.device)
+        if not self._kv_resident:
+            return
+        if self._kv_range is not None:
+            self._kv_range.unmap()  # the graphs keep pointing at the same addresses
+        else:
+            self._drop_cuda_graphs()  # they point into the cache
+            self.kv_caches = []
+            _free_device_memory(self.device)
+        self._kv_resident = False
 
     def restore_kv_cache(self) -> None:
-        if not self.kv_caches:
-            self.kv_caches = self._allocate_kv_caches()
+        """The KV cache again, at its old size: no re-profiling."""
+        if not self._kv_resident:
+            if self._kv_range is not None:
+                self._kv_range.map()
+                for cache in self.kv_caches:
+                    cache.zero_()
+                self._kv_resident = True
+            else:
+                self.kv_caches = self._allocate_kv_caches()
         self._maybe_recapture()
 
     def offload_weights(self) -> None:
-        """Level 1: move the weights into a host-memory store (pinned on CUDA) for a fast wake.
-        The model keeps empty placeholders, so nothing of it stays on the device. (On a CPU
-        engine the store is the same RAM: only level 2 frees memory there.)"""
-        pin = self.device.type == "cuda"
-        self._drop_cuda_graphs()  # they point at the weights' device addresses
-        store: list[torch.Tensor] = []
-        with torch.no_grad():
-            for tensor in _module_tensors(self.model):
-                host = tensor.data.to("cpu")
-                store.append(host.pin_memory() if pin else host)
-                tensor.data = torch.empty(0, dtype=tensor.dtype, device=self.device)
-        self._offloaded_weights = store
-        _free_device_memory(self.device)
+        """Level 1: the weights into a host buffer (pinned on CUDA, allocated once and reused),
+        one copy. (On a CPU engine the store is the same RAM: only level 2 frees memory there.)"""
+        if not self.weights.stable_addresses:
+            self._drop_cuda_graphs()  # they point at the weights' device addresses
+        self.weights.offload()
+        if not self.weights.stable_addresses:
+            _free_device_memory(self.device)
 
     def onload_weights(self) -> None:
-        with torch.no_grad():
-            for tensor, host in zip(_module_tensors(self.model), self._offloaded_weights):
-                tensor.data = host.to(self.device, non_blocking=True)
-        self._offloaded_weights = []
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        self.weights.onload()
         self._maybe_recapture()
 
     def discard_weights(self) -> None:
         """Level 2: drop the weights entirely; wake reloads them from the model source."""
-        self._drop_cuda_graphs()
-        with torch.no_grad():
-            for tensor in _module_tensors(self.model):
-                tensor.data = torch.empty(0, dtype=tensor.dtype, device=self.device)
-        _free_device_memory(self.device)
+        if not self.weights.stable_addresses:
+            self._drop_cuda_graphs()
+        self.weights.discard()
+        if not self.weights.stable_addresses:
+            _free_device_memory(self.device)
 
     def reload_weights(self) -> None:
-        self.model = load_model(self.source, self.dtype, self.device, getattr(self.config, "load_format", "auto"))
-        set_attention_backend(self.model, self.backend)
-        if self.lora_manager is not None:
-            self.lora_manager.reattach(self.model)
-        self._choose_one_row_linears()  # a new model: same shapes, choices come from the cache
+        """Level 2 wake: the checkpoint read again (in parallel, from the page cache when warm)
+        into the same parameters; the one-row-linear choices and the graphs stay."""
+        self.weights.acquire()
+        fill_weights(self.model, self.source, getattr(self.config, "load_format", "auto"))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         self._maybe_recapture()
 
     def memory_usage(self) -> dict[str, int]:
-        """Bytes held on the engine's device by the weights and the KV cache."""
-        weights = sum(t.numel() * t.element_size() for t in _module_tensors(self.model) if t.device == self.device)
-        kv = sum(t.numel() * t.element_size() for t in self.kv_caches)
-        offloaded = sum(t.numel() * t.element_size() for t in getattr(self, "_offloaded_weights", []))
+        """Bytes held on the engine's device by the weights and the KV cache, and in host memory
+        by the weights while asleep at level 1."""
+        weights = self.weights.nbytes if self.weights.resident else 0
+        kv = sum(t.numel() * t.element_size() for t in self.kv_caches) if self._kv_resident else 0
+        offloaded = self.weights.host_bytes if not self.weights.resident else 0
         return {"weights_bytes": weights, "kv_cache_bytes": kv, "offloaded_weights_bytes": offloaded}
 
 
@@ -612,19 +642,6 @@ def choose_attention_backend(device: torch.device) -> AttentionBackend:
         except ImportError as exc:  # no triton: still correct, only slower
             logger.warning("Triton attention unavailable (%s); using the torch reference", exc)
     return TorchAttentionBackend()
-
-
-def _on_device(t: torch.Tensor, device: torch.device) -> bool:
-    """``t`` lives on ``device`` ("cuda" matches "cuda:<current>")."""
-    if t.device.type != device.type:
-        return False
-    if device.type != "cuda" or device.index is None:
-        return True
-    return t.device.index == device.index
-
-
-def _module_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
-    return [*model.parameters(), *model.buffers()]
 
 
 def _free_device_memory(device: torch.device) -> None:

@@ -337,7 +337,7 @@ class Worker:
                 self.runner.reload_weights()
         if "kv_cache" in tags:
             self.runner.restore_kv_cache()
-        if not self._weights_asleep() and self.runner.kv_caches:
+        if not self._weights_asleep() and self.runner.kv_cache_resident():
             self._sleep_level = 0
         return self._sleep_level > 0
 
@@ -345,8 +345,7 @@ class Worker:
         return self._sleep_level > 0
 
     def _weights_asleep(self) -> bool:
-        first = next(self.runner.model.parameters())
-        return first.device.type != self.device.type or first.numel() == 0
+        return not self.runner.weights_resident()
 
     # ---- LoRA ------------------------------------------------------------------------
     def add_lora(self, adapter: Any) -> None:

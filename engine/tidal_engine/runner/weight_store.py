@@ -1,0 +1,130 @@
+"""The model's parameters packed into one flat device buffer, for fast sleep and wake.
+
+Every parameter becomes a view into one byte buffer (each at a 256-byte aligned offset).
+Sleep level 1 is then one device→host copy into a pinned host buffer, allocated at the first
+sleep and reused by every later one, and a wake is one host→device copy back. Level 2 drops
+the device buffer without a copy; the wake reloads the checkpoint into the same views.
+
+On CUDA the buffer is a ``VmmRange`` where the driver allows it: its addresses survive
+sleep, so the CUDA graphs stay valid (``stable_addresses``). Elsewhere the buffer is an
+ordinary tensor, re-allocated on wake, and the views are re-pointed at the new one.
+Buffers (rotary tables, LoRA slots) are not part of the store: they stay where they are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tidal_engine.runner.cuda_vmm import VmmRange
+
+ALIGN = 256
+
+
+@dataclass
+class _Slot:
+    param: torch.nn.Parameter
+    offset: int
+    shape: torch.Size
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.shape.numel() * torch.empty((), dtype=self.dtype).element_size()
+
+
+def pack_offsets(sizes: list[int], align: int = ALIGN) -> tuple[list[int], int]:
+    """Each size's offset in one buffer (aligned), and the buffer's length."""
+    offsets, end = [], 0
+    for size in sizes:
+        end = -(-end // align) * align
+        offsets.append(end)
+        end += size
+    return offsets, end
+
+
+class WeightStore:
+    def __init__(self, model: torch.nn.Module, device: torch.device, fixed_addresses: bool = True) -> None:
+        self.device = device
+        params = list(dict.fromkeys(model.parameters()))  # tied weights once
+        offsets, self.nbytes = pack_offsets([p.numel() * p.element_size() for p in params])
+        self._slots = [_Slot(p, off, p.shape, p.dtype) for p, off in zip(params, offsets)]
+        self._range = VmmRange.create(self.nbytes, device) if fixed_addresses else None
+        self._flat: torch.Tensor | None = None
+        self._host: torch.Tensor | None = None  # the pinned copy, allocated once
+        self.resident = True
+        flat = self._range.tensor if self._range is not None else torch.empty(self.nbytes, dtype=torch.uint8, device=device)
+        with torch.no_grad():
+            for slot in self._slots:
+                view = self._view(flat, slot)
+                view.copy_(slot.param.data)
+                slot.param.data = view
+        self._flat = flat
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.empty_cache()  # the parameters' old storage
+
+    @property
+    def stable_addresses(self) -> bool:
+        """Whether the parameters keep their device addresses across sleep and wake."""
+        return self._range is not None
+
+    @property
+    def host_bytes(self) -> int:
+        return 0 if self._host is None else self.nbytes
+
+    @staticmethod
+    def _view(flat: torch.Tensor, slot: _Slot) -> torch.Tensor:
+        return flat[slot.offset: slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
+
+    # ---- sleep ---------------------------------------------------------------------------
+    def offload(self) -> None:
+        """Level 1: one copy into the reused host buffer, then the device memory goes back."""
+        if not self.resident:
+            return
+        assert self._flat is not None
+        if self._host is None:
+            self._host = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+        self._host.copy_(self._flat, non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._release()
+
+    def discard(self) -> None:
+        """Level 2: the device memory goes back without a copy (the host copy too)."""
+        if self.resident:
+            self._release()
+        self._host = None
+
+    def _release(self) -> None:
+        if self._range is not None:
+            self._range.unmap()  # the views keep their addresses; nothing reads them while asleep
+        else:
+            for slot in self._slots:
+                slot.param.data = torch.empty(0, dtype=slot.dtype, device=self.device)
+            self._flat = None
+        self.resident = False
+
+    # ---- wake ----------------------------------------------------------------------------
+    def onload(self) -> None:
+        """Level 1 wake: the device memory back, then one copy from the host buffer."""
+        self.acquire()
+        assert self._host is not None and self._flat is not None, "onload without an offload"
+        self._flat.copy_(self._host, non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def acquire(self) -> None:
+        """Device memory for the parameters again (contents undefined: onload or reload fills it)."""
+        if self.resident:
+            return
+        if self._range is not None:
+            self._range.map()
+            self._flat = self._range.tensor
+        else:
+            flat = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+            for slot in self._slots:
+                slot.param.data = self._view(flat, slot)
+            self._flat = flat
+        self.resident = True
