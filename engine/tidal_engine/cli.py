@@ -103,6 +103,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
     model.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
                        help="auto: read the checkpoint; dummy: random weights of its shape (benchmarks)")
+    model.add_argument("--cache-dir", default=None,
+                       help="start-up cache: Triton's compiled kernels and the one-row-linear choices "
+                            "(default: $TIDAL_CACHE_DIR or ~/.cache/tidal)")
     model.add_argument("--runner", default="auto", choices=("auto", "generate", "pooling"),
                        help="generate text, or pool (embeddings, scores, rerank); auto: pooling for encoder "
                             "and sequence-classification checkpoints (docs/embeddings.md)")
@@ -316,6 +319,7 @@ def engine_config(parser: argparse.ArgumentParser, args: argparse.Namespace, mod
             lora_modules=dict(args.lora_modules) if args.lora_modules else None,
             allowed_lora_roots=list(args.allowed_lora_roots) if args.allowed_lora_roots else None,
             load_format=args.load_format,
+            cache_dir=args.cache_dir,
             tensor_parallel_size=args.tensor_parallel_size,
             pipeline_parallel_size=args.pipeline_parallel_size,
             distributed_executor_backend=args.distributed_executor_backend,

@@ -67,6 +67,9 @@ class EngineConfig:
     convert: str = "auto"
     # "auto": read the checkpoint; "dummy": random weights (vLLM's --load-format dummy, for benchmarks).
     load_format: str = "auto"
+    # Start-up cache (Triton's compiled kernels, the one-row-linear choices): None means
+    # $TIDAL_CACHE_DIR or ~/.cache/tidal. The operator mounts one per node.
+    cache_dir: str | None = None
 
     @property
     def world_size(self) -> int:

@@ -397,6 +397,27 @@ def test_sleep_wake_recaptures(tiny_dir: Path) -> None:
 
 
 @on_gpu
+def test_sleep_mode_keeps_the_graphs_across_sleep_and_wake(tiny_dir: Path) -> None:
+    # With sleep mode the weights and the KV cache sit at fixed addresses (CUDA VMM): sleep
+    # gives the memory back, wake maps it again, and the captured graphs are replayed as they are.
+    from tidal_engine import SamplingParams
+
+    first, llm = _generate(tiny_dir, PROMPTS, [24] * 8, max_num_seqs=8, enable_sleep_mode=True)
+    runner = llm.engine.runner  # type: ignore[attr-defined]
+    assert runner.weights.stable_addresses
+    graphs = runner.graphs
+    for level in (1, 2, 1):
+        llm.engine.sleep(level)  # type: ignore[attr-defined]
+        assert runner.memory_usage()["weights_bytes"] == runner.memory_usage()["kv_cache_bytes"] == 0
+        llm.engine.wake_up()  # type: ignore[attr-defined]
+        assert runner.graphs is graphs
+        replays = graphs.num_replays
+        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+        again = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]  # type: ignore[attr-defined]
+        assert again == first and graphs.num_replays > replays
+
+
+@on_gpu
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_async_scheduling_matches_sync_on_gpu(tiny_dir: Path, dtype: str) -> None:
     # Steps launched before the previous tokens are on the host, fed on the device, through

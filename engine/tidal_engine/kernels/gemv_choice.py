@@ -13,6 +13,7 @@ import logging
 import os
 import statistics
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -108,4 +109,44 @@ def choose_gemv(model: nn.Module, cache: dict[tuple[int, int, torch.dtype, bool]
     return chosen
 
 
-__all__ = ["choose_gemv", "gemv_wanted", "pick_fastest", "rotation_copies", "time_in_graph"]
+ChoiceKey = tuple[int, int, torch.dtype, bool]
+
+
+def load_choices(path: Path, candidates: tuple[Any, ...]) -> dict[ChoiceKey, Candidate]:
+    """The choices stored in ``path`` (kernels/compile_cache.py) that are still candidates."""
+    from tidal_engine.kernels.compile_cache import decode_choice, read_json
+
+    choices: dict[ChoiceKey, Candidate] = {}
+    for key, data in read_json(path).items():
+        try:
+            shape, dtype_name, bias = key.split(":")
+            n, k = (int(x) for x in shape.split("x"))
+            dtype = getattr(torch, dtype_name)
+        except (ValueError, AttributeError):
+            continue
+        known, choice = decode_choice(data, candidates)
+        if known and isinstance(dtype, torch.dtype):
+            choices[(n, k, dtype, bias == "bias")] = choice
+    return choices
+
+
+def save_choices(path: Path, choices: dict[ChoiceKey, Candidate]) -> None:
+    from tidal_engine.kernels.compile_cache import encode_choice, shape_key, write_json_atomic
+
+    write_json_atomic(path, {shape_key(n, k, dtype, bias): encode_choice(c) for (n, k, dtype, bias), c in choices.items()})
+
+
+def choices_file(cache_dir: Path) -> Path:
+    """This GPU's and these versions' file of choices under the start-up cache."""
+    import triton
+
+    from tidal_engine.kernels.compile_cache import gemv_cache_key
+    from tidal_engine.kernels.triton.gemv import GEMV_CONFIGS
+
+    versions = {"torch": torch.__version__, "triton": triton.__version__, "candidates": repr(GEMV_CONFIGS),
+                "cuda": str(torch.version.cuda)}
+    return cache_dir / "gemv" / f"{gemv_cache_key(torch.cuda.get_device_name(), versions)}.json"
+
+
+__all__ = ["choices_file", "choose_gemv", "gemv_wanted", "load_choices", "pick_fastest", "rotation_copies",
+           "save_choices", "time_in_graph"]

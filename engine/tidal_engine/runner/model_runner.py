@@ -21,6 +21,7 @@ import torch
 
 from tidal_engine.config import EngineConfig
 from tidal_engine.distributed.parallel_state import get_parallel
+from tidal_engine.kernels.compile_cache import use_cache_dir
 from tidal_engine.layers.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend, set_attention_backend
 from tidal_engine.layers.kv_cache_dtype import kv_cache_torch_dtype
 from tidal_engine.lora.manager import create_lora_manager
@@ -110,6 +111,8 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.arch = source.arch_config
+        # Triton's compiled kernels and the one-row-linear choices persist here (kernels/compile_cache.py).
+        self.cache_dir = use_cache_dir(getattr(config, "cache_dir", None))
         self.max_model_len = config.max_model_len or self.arch.max_position_embeddings
         self.cuda_graph_sizes = normalize_capture_sizes(config.cuda_graph_sizes, config.max_num_seqs)
         # What the engine may use of the device (gpu_memory_utilization, runner/memory_budget.py):
@@ -314,7 +317,16 @@ class ModelRunner:
         from tidal_engine.kernels.gemv_choice import choose_gemv, gemv_wanted
 
         if fused_kernels_enabled() and gemv_wanted(self.dtype):
+            from tidal_engine.kernels.gemv_choice import choices_file, load_choices, save_choices
+            from tidal_engine.kernels.triton.gemv import GEMV_CONFIGS
+
+            disk = choices_file(self.cache_dir)
+            if not self._gemv_choices:  # a second engine on this node: no timing
+                self._gemv_choices.update(load_choices(disk, GEMV_CONFIGS))
+            known = len(self._gemv_choices)
             counts = choose_gemv(self.model, self._gemv_choices)
+            if len(self._gemv_choices) > known:
+                save_choices(disk, self._gemv_choices)
             logger.info("one-row linears: %d on the Triton GEMV, %d on cuBLAS", counts["gemv"], counts["cublas"])
 
     def _allocate_kv_caches(self) -> list[torch.Tensor]:

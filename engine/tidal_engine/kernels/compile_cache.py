@@ -1,0 +1,84 @@
+"""The on-disk start-up cache: Triton's compiled kernels and the one-row-linear choices.
+
+A second engine on the same node (the operator mounts one cache volume per node) skips
+Triton's compiles and the GEMV timing. Everything lives under one folder (``--cache-dir``,
+default ``$TIDAL_CACHE_DIR`` or ``~/.cache/tidal``):
+
+- ``triton/``: Triton's own cache (``TRITON_CACHE_DIR``, unless the environment sets it);
+- ``gemv/<key>.json``: the one-row-linear choices, one file per GPU model and software
+  versions (``gemv_cache_key``), keyed inside by weight shape, dtype and bias.
+
+Writes are atomic (a temporary file renamed into place), so Pods sharing a volume never
+read a half-written file; an unreadable file is ignored and rewritten.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("TIDAL_CACHE_DIR") or Path.home() / ".cache" / "tidal").expanduser()
+
+
+def use_cache_dir(cache_dir: str | Path | None) -> Path:
+    """Point Triton's compile cache into ``cache_dir`` (the environment's own setting wins)
+    before anything compiles; returns the folder."""
+    root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+    os.environ.setdefault("TRITON_CACHE_DIR", str(root / "triton"))
+    return root
+
+
+def gemv_cache_key(gpu_name: str, versions: dict[str, str]) -> str:
+    """A file name for one GPU model and the versions its timings depend on."""
+    text = json.dumps({"gpu": gpu_name, **versions}, sort_keys=True)
+    slug = "".join(c if c.isalnum() else "-" for c in gpu_name).strip("-").lower() or "gpu"
+    return f"{slug}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+
+
+def shape_key(n: int, k: int, dtype: Any, bias: bool) -> str:
+    return f"{n}x{k}:{str(dtype).removeprefix('torch.')}:{'bias' if bias else 'nobias'}"
+
+
+def encode_choice(choice: Any) -> dict[str, int] | None:
+    """A GemvConfig as JSON (None: cuBLAS)."""
+    if choice is None:
+        return None
+    return {"block_n": int(choice.block_n), "block_k": int(choice.block_k), "num_warps": int(choice.num_warps)}
+
+
+def decode_choice(data: dict[str, int] | None, candidates: tuple[Any, ...]) -> tuple[bool, Any]:
+    """(known, choice): a stored choice is used only if it is still one of the candidates."""
+    if data is None:
+        return True, None
+    for candidate in candidates:
+        if encode_choice(candidate) == data:
+            return True, candidate
+    return False, None
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        with os.fdopen(fd, "w") as handle:
+            json.dump(data, handle, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError as exc:  # a read-only or full volume: the cache is an optimisation only
+        logger.warning("cannot write the start-up cache %s: %s", path, exc)
