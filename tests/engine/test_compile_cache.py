@@ -60,3 +60,8 @@ def test_triton_compiles_into_the_cache_dir_unless_the_environment_says_otherwis
     monkeypatch.delenv("TRITON_CACHE_DIR")
     monkeypatch.setenv("TIDAL_CACHE_DIR", str(tmp_path / "from-env"))
     assert use_cache_dir(None) == tmp_path / "from-env"
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "from-env" / "triton")
+    monkeypatch.delenv("TRITON_CACHE_DIR")
+    (tmp_path / "a-file").write_text("")
+    use_cache_dir(tmp_path / "a-file")  # not a folder: Triton keeps its own default
+    assert "TRITON_CACHE_DIR" not in os.environ

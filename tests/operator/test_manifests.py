@@ -151,7 +151,10 @@ def test_pod_basics() -> None:
     assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
     assert spec["securityContext"]["runAsNonRoot"] is True
     assert spec["hostname"] == meta["name"] and spec["subdomain"] == "smollm2"
-    assert spec["volumes"] == [] and "nvidia.com/gpu" not in json.dumps(pod)
+    # Only the start-up cache, per Pod by default; the engine finds it through TIDAL_CACHE_DIR.
+    assert spec["volumes"] == [{"name": "tidal-cache", "emptyDir": {}}] and "nvidia.com/gpu" not in json.dumps(pod)
+    assert {"name": "tidal-cache", "mountPath": "/var/cache/tidal"} in c["volumeMounts"]
+    assert {"name": "TIDAL_CACHE_DIR", "value": "/var/cache/tidal"} in c["env"]
 
 
 @pytest.mark.parametrize("timeout", [10, 95, 600, 3601])
@@ -191,7 +194,7 @@ def test_hf_auth_lora_pod_uses_secret_refs_only() -> None:
     assert "--api-key" not in c["args"] and SECRET_VALUE not in json.dumps(pod)
     assert c["image"] == "my/engine:1"
     volumes = {v["name"] for v in pod["spec"]["volumes"]}
-    assert volumes == {"model-cache", "adapters"}
+    assert volumes == {"model-cache", "adapters", "tidal-cache"}
     spec = pod["spec"]
     assert spec["nodeSelector"] == {"gpu": "h100"} and spec["priorityClassName"] == "high"
     assert spec["serviceAccountName"] == "engine" and spec["tolerations"][0]["key"] == "nvidia.com/gpu"
@@ -317,3 +320,19 @@ def test_engine_cli_accepts_the_generated_flags(case: str) -> None:
     argv = engine_args(SPECS[case], "m")
     args = cli.build_parser().parse_args(argv[1:])
     assert args.command == "serve" and args.port == 8000
+
+
+@pytest.mark.parametrize(("cache", "volume"), [
+    ({"volume": "hostPath"}, {"hostPath": {"path": "/var/cache/tidal", "type": "DirectoryOrCreate"}}),
+    ({"volume": "hostPath", "hostPath": "/mnt/nvme/tidal"}, {"hostPath": {"path": "/mnt/nvme/tidal", "type": "DirectoryOrCreate"}}),
+    ({"volume": "persistentVolumeClaim", "claimName": "kernels"}, {"persistentVolumeClaim": {"claimName": "kernels"}}),
+    ({"sizeLimit": "2Gi"}, {"emptyDir": {"sizeLimit": "2Gi"}}),
+])
+def test_start_up_cache_volume_choices(cache: dict[str, Any], volume: dict[str, Any]) -> None:
+    # A node's hostPath (or a shared claim) lets the next Pod on the node start warm.
+    body = llm({"model": {"uri": "bundled://smollm2-135m"}, "engine": {"cache": cache}})
+    pod = pod_manifest(body, 0, CONFIG)
+    assert {"name": "tidal-cache", **volume} in pod["spec"]["volumes"]
+    assert {"name": "tidal-cache", "mountPath": "/var/cache/tidal"} in pod["spec"]["containers"][0]["volumeMounts"]
+    for version in K8S_VERSIONS:
+        kubernetes_validate.validate(pod, version, strict=True)

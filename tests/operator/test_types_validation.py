@@ -82,6 +82,15 @@ def test_unknown_quantization() -> None:
     assert "'fp4'" in p.message and "awq" in p.message and "gptq" in p.message
 
 
+def test_cache_volume_needs_its_claim_and_an_absolute_host_path() -> None:
+    p = only({**BASE, "engine": {"cache": {"volume": "persistentVolumeClaim"}}})
+    assert (p.field, p.reason) == ("spec.engine.cache.claimName", "MissingClaimName")
+    p = only({**BASE, "engine": {"cache": {"volume": "hostPath", "hostPath": "cache"}}})
+    assert (p.field, p.reason) == ("spec.engine.cache.hostPath", "InvalidVolume")
+    assert only({**BASE, "engine": {"cache": {"volume": "nfs"}}}).field == "spec.engine.cache.volume"
+    assert only({**BASE, "engine": {"cache": {"sizeLimit": "lots"}}}).field == "spec.engine.cache.sizeLimit"
+
+
 def test_unknown_kv_cache_dtype() -> None:
     assert only({**BASE, "quantization": {"kvCache": "int4"}}).field == "spec.quantization.kvCache"
 

@@ -33,7 +33,16 @@ def use_cache_dir(cache_dir: str | Path | None) -> Path:
     """Point Triton's compile cache into ``cache_dir`` (the environment's own setting wins)
     before anything compiles; returns the folder."""
     root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
-    os.environ.setdefault("TRITON_CACHE_DIR", str(root / "triton"))
+    triton_dir = root / "triton"
+    try:  # Triton fails its compiles on a folder it cannot write (a root-owned hostPath)
+        triton_dir.mkdir(parents=True, exist_ok=True)
+        writable = os.access(triton_dir, os.W_OK)
+    except OSError:
+        writable = False
+    if writable:
+        os.environ.setdefault("TRITON_CACHE_DIR", str(triton_dir))
+    else:
+        logger.warning("the start-up cache %s is not writable: Triton keeps its default cache", root)
     return root
 
 

@@ -26,6 +26,7 @@ PullPolicy = Literal["Always", "IfNotPresent", "Never"]
 ScalingMetric = Literal["requestsWaiting", "requestsInFlight", "kvCacheUsage"]
 ScalingMode = Literal["builtin", "hpa", "keda"]
 RoutingStrategy = Literal["leastLoad", "prefixHash"]
+CacheVolume = Literal["emptyDir", "hostPath", "persistentVolumeClaim"]
 # Kubernetes quantities are int-or-string ("2", 2, "500m", "4Gi").
 Quantity = Union[str, int]
 
@@ -38,6 +39,7 @@ DEFAULT_API_KEY_KEY = "api-key"
 DEFAULT_REPLICAS = 1  # when neither spec.replicas nor spec.autoscaling is given
 DEFAULT_PROGRESS_DEADLINE_SECONDS = 600
 DEFAULT_GPU_RESOURCE = "nvidia.com/gpu"
+DEFAULT_CACHE_HOST_PATH = "/var/cache/tidal"
 
 
 class _Model(BaseModel):
@@ -83,6 +85,15 @@ class EnvVar(_Model):
     value_from: dict[str, Any] | None = None
 
 
+class CacheSpec(_Model):
+    """The engine's start-up cache volume (compiled kernels, one-row-linear choices)."""
+
+    volume: CacheVolume = "emptyDir"
+    host_path: str = DEFAULT_CACHE_HOST_PATH
+    claim_name: str | None = None
+    size_limit: Quantity | None = None  # emptyDir only
+
+
 class EngineSpec(_Model):
     image: str | None = None  # default: OperatorConfig.default_engine_image
     image_pull_policy: PullPolicy = "IfNotPresent"
@@ -95,6 +106,7 @@ class EngineSpec(_Model):
     gpu_memory_utilization: float | None = Field(default=None, gt=0, le=1)
     kv_cache_memory: Quantity | None = None
     startup_timeout_seconds: int = Field(default=DEFAULT_STARTUP_TIMEOUT_SECONDS, ge=10)
+    cache: CacheSpec = Field(default_factory=CacheSpec)
 
 
 class ParallelismSpec(_Model):

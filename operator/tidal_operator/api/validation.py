@@ -99,6 +99,7 @@ def validate_spec(
     problems += _check_rollout(parsed)
     problems += _check_lora(parsed, config)
     problems += _check_pod_template(parsed)
+    problems += _check_cache(parsed)
     if secret_lookup is not None:
         problems += _check_secrets(parsed, namespace, secret_lookup)
     return problems
@@ -175,7 +176,8 @@ def _check_resources(spec: LLMServiceSpec) -> list[ValidationProblem]:
     out = []
     fields = {"spec.engine.resources.cpu": spec.engine.resources.cpu,
               "spec.engine.resources.memory": spec.engine.resources.memory,
-              "spec.engine.kvCacheMemory": spec.engine.kv_cache_memory}
+              "spec.engine.kvCacheMemory": spec.engine.kv_cache_memory,
+              "spec.engine.cache.sizeLimit": spec.engine.cache.size_limit}
     for path, value in fields.items():
         if value is None:
             continue
@@ -279,7 +281,7 @@ def check_adapter_uri(uri: str, field: str, config: OperatorConfig) -> Validatio
 # A qualified extended-resource name: <DNS subdomain>/<name>.
 EXTENDED_RESOURCE = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
 # Names of the volumes the operator adds to the Pod (reconcile/manifests.py).
-RESERVED_VOLUMES = frozenset({"model", "model-cache", "adapters", "dshm"})
+RESERVED_VOLUMES = frozenset({"model", "model-cache", "adapters", "dshm", "tidal-cache"})
 
 
 def _check_pod_template(spec: LLMServiceSpec) -> list[ValidationProblem]:
@@ -311,6 +313,17 @@ def _check_pod_template(spec: LLMServiceSpec) -> list[ValidationProblem]:
                 out.append(ValidationProblem(f"spec.podTemplate.{kind}", f"{key!r} is reserved for the operator",
                                              "ReservedKey"))
     return out
+
+
+def _check_cache(spec: LLMServiceSpec) -> list[ValidationProblem]:
+    cache = spec.engine.cache
+    if cache.volume == "persistentVolumeClaim" and not cache.claim_name:
+        return [ValidationProblem("spec.engine.cache.claimName", "volume persistentVolumeClaim needs claimName",
+                                  "MissingClaimName")]
+    if cache.volume == "hostPath" and not cache.host_path.startswith("/"):
+        return [ValidationProblem("spec.engine.cache.hostPath", f"{cache.host_path!r} must be an absolute path",
+                                  "InvalidVolume")]
+    return []
 
 
 def _check_secrets(spec: LLMServiceSpec, namespace: str, secret_lookup: SecretLookup) -> list[ValidationProblem]:

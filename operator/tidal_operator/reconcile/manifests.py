@@ -22,6 +22,8 @@ CONTAINER_NAME = "engine"
 MODELS_ROOT = "/models"
 HF_CACHE_DIR = "/models/hf-cache"
 ADAPTERS_DIR = "/adapters"
+CACHE_DIR = "/var/cache/tidal"  # the engine's start-up cache (TIDAL_CACHE_DIR)
+CACHE_VOLUME = "tidal-cache"
 API_KEY_ENV = "TIDAL_API_KEY"
 HF_TOKEN_ENV = "HF_TOKEN"
 # The engine binds to the Pod's own IP, given by the downward API. Correct on a real
@@ -215,9 +217,22 @@ def pod_labels(llm_name: str, index: int, spec: LLMServiceSpec) -> dict[str, str
     return out
 
 
+def cache_volume(spec: LLMServiceSpec) -> dict[str, Any]:
+    """The start-up cache (Triton's compiled kernels, the one-row-linear choices): per Pod
+    (emptyDir), per node (hostPath), or a claim the user shares (persistentVolumeClaim)."""
+    cache = spec.engine.cache
+    if cache.volume == "hostPath":
+        return {"name": CACHE_VOLUME, "hostPath": {"path": cache.host_path, "type": "DirectoryOrCreate"}}
+    if cache.volume == "persistentVolumeClaim":
+        return {"name": CACHE_VOLUME, "persistentVolumeClaim": {"claimName": cache.claim_name}}
+    empty: dict[str, Any] = {} if cache.size_limit is None else {"sizeLimit": str(cache.size_limit)}
+    return {"name": CACHE_VOLUME, "emptyDir": empty}
+
+
 def _env(spec: LLMServiceSpec, src: ModelSource) -> list[dict[str, Any]]:
     # POD_IP first: `$(POD_IP)` in args (and in later env values) can only refer to it then.
-    env: list[dict[str, Any]] = [{"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
+    env: list[dict[str, Any]] = [{"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+                                 {"name": "TIDAL_CACHE_DIR", "value": CACHE_DIR}]
     env += [dict(e) for e in src.env]
     if spec.auth is not None:
         ref = spec.auth.api_key_secret_ref
@@ -276,6 +291,9 @@ def pod_manifest(llm: Mapping[str, Any], index: int, config: OperatorConfig) -> 
         # Where the engine puts adapters it downloads at run time (LoRA changes don't restart Pods).
         volumes.append({"name": "adapters", "emptyDir": {}})
         mounts.append({"name": "adapters", "mountPath": ADAPTERS_DIR})
+
+    volumes.append(cache_volume(spec))
+    mounts.append({"name": CACHE_VOLUME, "mountPath": CACHE_DIR})
 
     container: dict[str, Any] = {
         "name": CONTAINER_NAME,
