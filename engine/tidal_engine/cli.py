@@ -139,6 +139,11 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="admit and preempt by arrival (fcfs) or by each request's priority, lower first")
     sched.add_argument("--enable-sleep-mode", action="store_true",
                        help="allow /sleep and /wake_up (free device memory on demand)")
+    sched.add_argument("--kv-offloading-size", type=float, default=None,
+                       help="GiB of host memory (pinned on CUDA) that keeps KV blocks evicted from the device "
+                            "cache, served back on a prefix hit (docs/kv-offload.md); default: off")
+    sched.add_argument("--kv-offloading-backend", default="native", choices=("native",),
+                       help="the KV offload implementation (vLLM's flag; only Tidal's own)")
 
     lora = parser.add_argument_group("LoRA", "multi-LoRA serving (docs/lora.md)")
     lora.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters next to the base model")
@@ -320,6 +325,8 @@ def engine_config(parser: argparse.ArgumentParser, args: argparse.Namespace, mod
             allowed_lora_roots=list(args.allowed_lora_roots) if args.allowed_lora_roots else None,
             load_format=args.load_format,
             cache_dir=args.cache_dir,
+            kv_offloading_size=args.kv_offloading_size,
+            kv_offloading_backend=args.kv_offloading_backend,
             tensor_parallel_size=args.tensor_parallel_size,
             pipeline_parallel_size=args.pipeline_parallel_size,
             distributed_executor_backend=args.distributed_executor_backend,

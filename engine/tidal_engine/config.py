@@ -70,6 +70,10 @@ class EngineConfig:
     # Start-up cache (Triton's compiled kernels, the one-row-linear choices): None means
     # $TIDAL_CACHE_DIR or ~/.cache/tidal. The operator mounts one per node.
     cache_dir: str | None = None
+    # KV offload to host memory (docs/kv-offload.md), vLLM's flags: the host pool in GiB (None: off)
+    # and the backend ("native": Tidal's own connector, kv_transfer/).
+    kv_offloading_size: float | None = None
+    kv_offloading_backend: str = "native"
 
     @property
     def world_size(self) -> int:
@@ -117,5 +121,14 @@ class EngineConfig:
             raise ValueError(f"convert must be auto, embed or classify, got {self.convert!r}")
         if self.convert != "auto" and self.runner == "generate":
             raise ValueError(f"--convert {self.convert} needs --runner pooling")
+        if self.kv_offloading_size is not None:
+            if not self.kv_offloading_size > 0:
+                raise ValueError(f"kv_offloading_size must be > 0 GiB, got {self.kv_offloading_size}")
+            if self.kv_offloading_backend != "native":
+                raise ValueError(f"kv_offloading_backend must be 'native', got {self.kv_offloading_backend!r}")
+            if not self.enable_prefix_caching:
+                raise ValueError("KV offloading needs prefix caching (its keys are the prefix-cache block hashes)")
+            if self.world_size > 1:
+                raise ValueError("KV offloading runs with one worker for now (tensor and pipeline size 1)")
         if self.lora_modules and not self.enable_lora:
             raise ValueError("lora_modules needs enable_lora")

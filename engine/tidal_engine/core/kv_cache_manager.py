@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tidal_engine.core.block_pool import Block, BlockPool
+from tidal_engine.core.block_pool import Block, BlockHash, BlockPool
 from tidal_engine.core.request import Request
 
 
@@ -123,26 +123,36 @@ class KVCacheManager:
         ids.extend(b.block_id for b in added)
         return list(ids)
 
-    def cache_full_blocks(self, request: Request) -> None:
-        """Register the request's newly full, computed blocks in the prefix cache.
+    def cache_full_blocks(self, request: Request) -> list[tuple[int, BlockHash]]:
+        """Register the request's newly full, computed blocks in the prefix cache; return them
+        as (block id, hash), for a KV connector that saves them.
 
         Call after ``num_computed_tokens`` advances. If an identical block is already cached
         (e.g. a sibling computed the same prompt in the same step), the existing mapping wins
         and this request's copy stays private, to be reused first once freed.
         """
         if not self.enable_prefix_caching:
-            return
+            return []
         blocks = self._req_blocks.get(request.request_id)
         if not blocks:
-            return
+            return []
         start = self._num_cached_blocks.get(request.request_id, 0)
         num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
         if num_full <= start:
-            return
+            return []
         hashes = request.update_block_hashes(self.block_size, request.num_computed_tokens)
         for index in range(start, num_full):
             self.block_pool.cache_block(blocks[index], hashes[index])
         self._num_cached_blocks[request.request_id] = num_full
+        return [(blocks[i].block_id, hashes[i]) for i in range(start, num_full)]
+
+    # ---- blocks a KV connector is copying (kv_transfer.base.BlockHolder) -----------------
+    def hold_blocks(self, block_ids: list[int]) -> None:
+        """An extra reference on each block: it stays out of reuse until released."""
+        self.block_pool.touch(self.block_pool.blocks[i] for i in block_ids)
+
+    def release_blocks(self, block_ids: list[int]) -> None:
+        self.block_pool.free_blocks(self.block_pool.blocks[i] for i in block_ids)
 
     def free(self, request: Request) -> None:
         """Release the request's blocks (no-op if it holds none).

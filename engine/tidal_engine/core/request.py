@@ -19,6 +19,7 @@ class RequestStatus(enum.Enum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()  # waiting again, to recompute its KV from scratch
+    WAITING_FOR_REMOTE_KV = enum.auto()  # holds blocks while a KV connector loads into them
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH = enum.auto()
     FINISHED_ABORTED = enum.auto()
@@ -53,6 +54,7 @@ class Request:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         lora_name: str | None = None,
+        lora_key: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids: list[int] = list(prompt_token_ids)
@@ -60,6 +62,8 @@ class Request:
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
         self.cache_salt = cache_salt
         self.lora_name = lora_name
+        # The adapter in KV cache keys: name plus load generation (LoRAManager.cache_key); default the name.
+        self.lora_key = lora_key if lora_key is not None else lora_name
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
         self.status = RequestStatus.WAITING
@@ -134,8 +138,8 @@ class Request:
         # LoRA changes the KV of every block; the salt only needs to enter the first hash
         # because every later hash chains through it.
         keys: list[str] = []
-        if self.lora_name is not None:
-            keys.append(f"lora={self.lora_name}")
+        if self.lora_key is not None:
+            keys.append(f"lora={self.lora_key}")
         if block_index == 0 and self.cache_salt is not None:
             keys.append(f"salt={self.cache_salt}")
         return tuple(keys)

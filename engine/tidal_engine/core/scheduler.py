@@ -39,11 +39,12 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from tidal_engine.core.kv_cache_manager import KVCacheManager
+from tidal_engine.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from tidal_engine.core.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from tidal_engine.config import EngineConfig
+    from tidal_engine.kv_transfer.base import KVConnectorScheduler, KVTransferPlan, KVTransferReport
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # per step, with chunked prefill, on CPU
 # On CUDA, as vLLM does on large GPUs: bigger prefill chunks keep the matmuls efficient and cost
@@ -126,6 +127,7 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     num_batched_tokens: int = 0
+    kv_transfer: KVTransferPlan | None = None  # the KV connector's loads and saves to start
 
     @property
     def is_empty(self) -> bool:
@@ -133,7 +135,9 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(
+        self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, connector: KVConnectorScheduler | None = None
+    ) -> None:
         if kv_cache_manager.block_size != config.block_size:
             raise ValueError(
                 f"block_size mismatch: scheduler {config.block_size}, KV cache {kv_cache_manager.block_size}"
@@ -151,6 +155,12 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # kept sorted by _order: oldest (or most urgent) first
         self.num_preemptions = 0
+        # KV connector (kv_transfer/): requests whose KV it loads wait here, holding blocks;
+        # value: num_computed_tokens once the load is done.
+        self.connector = connector
+        self.loading: dict[str, tuple[Request, int]] = {}
+        self.external_cache_stats = PrefixCacheStats()  # the connector's tier, in tokens
+        self.num_prompt_tokens_computed = 0  # prompt tokens scheduled for computation (not hits)
         # (priority, arrival, order of add_request); priority is 0 under fcfs.
         self._order: dict[str, tuple[int, float, int]] = {}
         self._counter = itertools.count()
@@ -182,8 +192,10 @@ class Scheduler:
         self._order.pop(request_id, None)
         if request in self.running:
             self.running.remove(request)
-        else:
+        elif self.loading.pop(request_id, None) is None:
             self.waiting.remove(request)
+        if self.connector is not None:
+            self.connector.request_finished(request)  # its in-flight copies keep their blocks held
         self.kv_cache_manager.free(request)
         request.status = status
         return request
@@ -200,7 +212,10 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + len(self.loading)
+
+    def has_pending_transfers(self) -> bool:
+        return self.connector is not None and self.connector.has_pending()
 
     # ---- one step -----------------------------------------------------------------------
     def schedule(self, hold: Collection[str] = ()) -> SchedulerOutput:
@@ -251,8 +266,10 @@ class Scheduler:
         # A request whose adapter would exceed max_loras is skipped (it keeps its place in the
         # queue), so requests for adapters already running, or for the base model, still go.
         adapters = {r.lora_name for r in self.running if r.lora_name is not None}
+        adapters |= {r.lora_name for r, _ in self.loading.values() if r.lora_name is not None}
         skipped: list[Request] = []
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while not preempted and self.waiting and budget > 0 \
+                and len(self.running) + len(self.loading) < self.config.max_num_seqs:
             request = self.waiting[0]
             lora = request.lora_name
             if lora is not None and lora not in adapters and self.config.max_loras is not None \
@@ -260,6 +277,10 @@ class Scheduler:
                 skipped.append(self.waiting.popleft())
                 continue
             computed_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
+            if self.connector is not None and self._start_load(request, computed_blocks, num_hit):
+                if lora is not None:
+                    adapters.add(lora)
+                continue
             num_new = request.num_tokens - num_hit  # >= 1: a hit never covers the last token
             if num_new > budget:
                 if not self.config.enable_chunked_prefill:
@@ -269,6 +290,8 @@ class Scheduler:
             if block_ids is None:
                 break  # no room; retry next step, after running requests have moved on
             self.waiting.popleft()
+            if self.connector is not None:
+                self._count_external(request, num_hit, 0)
             request.num_computed_tokens = num_hit
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
@@ -281,11 +304,62 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
 
         chunks = list(scheduled.values())
+        for c in chunks:
+            self.num_prompt_tokens_computed += max(0, min(c.start + c.num_new_tokens, c.request.num_prompt_tokens) - c.start)
         return SchedulerOutput(
             chunks=chunks,
             preempted=preempted,
             num_batched_tokens=sum(c.num_new_tokens for c in chunks),
+            kv_transfer=self.connector.build_plan() if self.connector is not None else None,
         )
+
+    # ---- KV connector ---------------------------------------------------------------------
+    def _start_load(self, request: Request, computed_blocks: list, num_hit: int) -> bool:
+        """Admit ``request`` into WAITING_FOR_REMOTE_KV if the connector has blocks past its
+        device hit: allocate them and start the load. False: nothing to load (or no room yet:
+        then the normal admission finds no room either and waits)."""
+        assert self.connector is not None
+        num_external = self.connector.num_matched_tokens(request, num_hit)
+        bs = self.config.block_size
+        num_external = min(num_external, (request.num_tokens - 1) // bs * bs - num_hit)  # compute >= 1 token
+        if num_external <= 0:
+            return False
+        block_ids = self.kv_cache_manager.allocate_slots(request, num_external, computed_blocks)
+        if block_ids is None:
+            return False
+        self.waiting.popleft()
+        self._count_external(request, num_hit, num_external)
+        first, end = num_hit // bs, (num_hit + num_external) // bs
+        request.num_computed_tokens = num_hit
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.loading[request.request_id] = (request, num_hit + num_external)
+        self.connector.start_load(request, block_ids[first:end], request.block_hashes[first:end])
+        return True
+
+    def _count_external(self, request: Request, num_hit: int, num_external: int) -> None:
+        stats = self.external_cache_stats
+        stats.requests += 1
+        stats.queries += request.num_tokens - num_hit  # what the device tier missed
+        stats.hits += num_external
+
+    def update_from_kv_transfer(self, report: KVTransferReport) -> None:
+        """A worker's transfer report: loaded requests run from the loaded position, failed
+        ones recompute from their device hit (their blocks are already allocated)."""
+        if self.connector is None or report.is_empty:
+            return
+        loaded, failed = self.connector.on_report(report)
+        for request_id in loaded + failed:
+            entry = self.loading.pop(request_id, None)
+            if entry is None:
+                continue
+            request, target = entry
+            if request_id in loaded:
+                request.num_computed_tokens = target
+                self.kv_cache_manager.cache_full_blocks(request)  # the loaded blocks now hit on the device
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = request.num_computed_tokens
+            request.status = RequestStatus.RUNNING
+            insort(self.running, request, key=lambda r: self._order[r.request_id])
 
     def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Advance each scheduled request by its chunk, append sampled tokens, cache full blocks.
@@ -305,7 +379,9 @@ class Scheduler:
                 if token_id is not None:
                     request.append_output_token(token_id)
                     got_token.append(request)
-            self.kv_cache_manager.cache_full_blocks(request)
+            new_full = self.kv_cache_manager.cache_full_blocks(request)
+            if new_full and self.connector is not None:
+                self.connector.blocks_computed(request, new_full)
         return got_token
 
     # ---- helpers ------------------------------------------------------------------------

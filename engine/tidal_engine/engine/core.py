@@ -40,6 +40,7 @@ from tidal_engine.core.scheduler import (
 from tidal_engine.engine.messages import CoreStats, SampleDelta, sample_request_id
 from tidal_engine.executor.base import Executor, PendingStep
 from tidal_engine.executor.plan import NewRequest, SampledLogprobs, SamplingOptions, ScheduledRequest, StepPlan
+from tidal_engine.kv_transfer.factory import create_scheduler_connector
 from tidal_engine.lora import AdapterInfo, LoRAAdapter, LoRAError, LoRAManager
 from tidal_engine.models.loader import load_tokenizer, resolve_dtype, resolve_model
 from tidal_engine.sampling_params import SamplingParams
@@ -73,6 +74,7 @@ class _Parent:
     cache_salt: str | None
     arrival_time: float
     lora_name: str | None = None
+    lora_key: str | None = None  # the adapter's load generation, for the KV cache keys
     compiled_grammar: object | None = None  # xgrammar CompiledGrammar shared by the samples
     bad_words: list[list[int]] = field(default_factory=list)  # params.bad_words as token ids
     reasoning_open: bool = False  # the grammar waits for the end of the reasoning
@@ -149,7 +151,10 @@ class EngineCore:
             block_size=config.block_size,
             enable_prefix_caching=config.enable_prefix_caching,
         )
-        self.scheduler = Scheduler(SchedulerConfig.from_engine_config(config, self.max_model_len), self.kv_cache_manager)
+        connector_info = self.executor.collective_rpc("kv_connector_info")[0] if config.kv_offloading_size else {}
+        self.kv_connector = create_scheduler_connector(config, self.kv_cache_manager, connector_info)
+        self.scheduler = Scheduler(SchedulerConfig.from_engine_config(config, self.max_model_len), self.kv_cache_manager,
+                                   self.kv_connector)
         self._parents: dict[str, _Parent] = {}
         self._samples: dict[str, _Sample] = {}  # scheduler request id → sample
         # What the workers know: request id → block ids sent so far; forgotten ids to send.
@@ -220,6 +225,7 @@ class EngineCore:
             arrival_time=arrival_time or time.time(),
             samples=[None] * params.n,
             lora_name=lora_name,
+            lora_key=self.lora_manager.cache_key(lora_name) if lora_name is not None and self.lora_manager else None,
             compiled_grammar=compiled,
             bad_words=bad_words,
             reasoning_open=compiled is not None and self._reasoning_open(prompt_token_ids),
@@ -245,6 +251,7 @@ class EngineCore:
             arrival_time=parent.arrival_time,
             cache_salt=parent.cache_salt,
             lora_name=parent.lora_name,
+            lora_key=parent.lora_key,
         )
         sample = _Sample(request=request, parent_id=parent.request_id, index=index,
                          options=sampling_options(params, self.eos_token_ids))
@@ -341,6 +348,9 @@ class EngineCore:
 
     def _launch(self, output: SchedulerOutput) -> _Step | None:
         """Send a scheduled step to the workers; nothing here waits for the device."""
+        if not output.chunks and (output.kv_transfer is not None or self.scheduler.has_pending_transfers()):
+            # Nothing to compute until KV transfers finish: a step that starts and waits for them.
+            return _Step(output, [], self.executor.execute(self._plan(output, time.time())), True)
         if not output.chunks:
             if self._forget:  # nothing to run, but let the workers drop finished requests
                 self._flush_forgotten()
@@ -392,11 +402,20 @@ class EngineCore:
         forget, self._forget = self._forget, []
         self._step_ids += 1
         return StepPlan(step_id=self._step_ids, new_requests=new_requests, scheduled=scheduled,
-                        finished_req_ids=forget, grammar_bitmasks=bitmasks)
+                        finished_req_ids=forget, grammar_bitmasks=bitmasks, kv_transfer=output.kv_transfer)
 
     def _flush_forgotten(self) -> None:
         """A plan with nothing to run: the workers drop the finished requests now."""
-        self.executor.execute(self._plan(SchedulerOutput(), time.time())).result()
+        result = self.executor.execute(self._plan(SchedulerOutput(), time.time())).result()
+        if result.kv_transfer is not None:
+            self.scheduler.update_from_kv_transfer(result.kv_transfer)
+
+    def _drain_transfers(self) -> None:
+        """Run transfer-only steps until the KV connector has nothing queued or in flight."""
+        while self.scheduler.has_pending_transfers():
+            step = self._launch(self.scheduler.schedule())
+            if step is not None:
+                self._complete(step)
 
     def _advance_with_placeholders(self, step: _Step) -> set[str]:
         """Move the scheduler past ``step`` as if its tokens were known (placeholders stand in
@@ -415,6 +434,8 @@ class EngineCore:
     def _complete(self, step: _Step) -> list[SampleDelta]:
         """Wait for the step's samples, then record them: stops, deltas."""
         result = step.pending.result()
+        if result.kv_transfer is not None:
+            self.scheduler.update_from_kv_transfer(result.kv_transfer)
         token_of = dict(zip(result.req_ids, result.token_ids))
         if not step.advanced:
             self.scheduler.update_from_output(step.output, token_of)
@@ -525,8 +546,17 @@ class EngineCore:
             generation_tokens_total=self._generation_tokens_total,
             max_num_running_seen=self._max_running_seen,
             sleep_level=self._sleep_level,
+            prompt_tokens_computed=self.scheduler.num_prompt_tokens_computed,
+            **self._offload_stats(),
             **lora,  # type: ignore[arg-type]
         )
+
+    def _offload_stats(self) -> dict[str, object]:
+        if self.kv_connector is None:
+            return {}
+        external = self.scheduler.external_cache_stats
+        return {"external_prefix_cache_queries": external.queries, "external_prefix_cache_hits": external.hits,
+                "kv_offload_enabled": True, **self.kv_connector.stats()}
 
     def _lora(self) -> LoRAManager:
         if self.lora_manager is None:
@@ -567,8 +597,10 @@ class EngineCore:
         return [] if self.lora_manager is None else self.lora_manager.list_adapters()
 
     def reset_prefix_cache(self) -> bool:
+        """Forget cached prefixes in every tier (the device cache and the connector's)."""
         with self._state_lock:
-            return self.kv_cache_manager.reset_prefix_cache()
+            done = self.kv_cache_manager.reset_prefix_cache()
+            return (self.kv_connector.reset() if self.kv_connector is not None else True) and done
 
     def is_sleeping(self) -> bool:
         return self._sleep_level > 0
@@ -588,7 +620,10 @@ class EngineCore:
             if self._sleep_level:
                 return
             self.settle()  # a last step computed for finished requests may still run
+            self._drain_transfers()  # saves still reading the device cache finish first
             self.kv_cache_manager.reset_prefix_cache()  # its blocks are about to vanish
+            if level == 2 and self.kv_connector is not None:
+                self.kv_connector.reset()  # the weights are reloaded: host KV may no longer match them
             self.executor.collective_rpc("sleep", level)
             self._sleep_level = level
 

@@ -78,6 +78,18 @@ class CoreStats(msgspec.Struct):
     sleep_level: int = 0
     # Registered LoRA adapters: (name, path, rank, unloading), the API servers' /v1/models.
     lora_adapters: list[tuple[str, str, int, bool]] = []
+    prompt_tokens_computed: int = 0  # prompt tokens computed (not served from any cache tier)
+    # KV offload (kv_transfer/): the host tier's prefix hits (tokens the device tier missed),
+    # what moved between the tiers and how long the copies took; the host pool's fill.
+    kv_offload_enabled: bool = False
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
+    kv_offload_bytes_loaded: int = 0
+    kv_offload_bytes_saved: int = 0
+    kv_offload_load_seconds: float = 0.0
+    kv_offload_save_seconds: float = 0.0
+    kv_offload_failed_loads: int = 0
+    kv_offload_host_usage: float = 0.0
 
 
 class UtilityResult(msgspec.Struct, array_like=True):

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import msgspec
 
+from tidal_engine.kv_transfer.base import KVTransferPlan, KVTransferReport
+
 
 class SamplingOptions(msgspec.Struct, frozen=True):
     """What a worker's sampler needs of one request's ``SamplingParams``."""
@@ -65,6 +67,8 @@ class StepPlan(msgspec.Struct, frozen=True):
     finished_req_ids: list[str]  # forget these (finished, aborted); sent once
     # Structured outputs: req_id → packed int32 bitmask words (xgrammar layout) for this step.
     grammar_bitmasks: dict[str, bytes] = {}
+    # KV connector loads and saves to start before this step's forward (kv_transfer/).
+    kv_transfer: KVTransferPlan | None = None
 
 
 class SampledLogprobs(msgspec.Struct, frozen=True, array_like=True):
@@ -83,3 +87,4 @@ class StepResult(msgspec.Struct, frozen=True):
     req_ids: list[str]
     token_ids: list[int]
     logprobs: list[SampledLogprobs | None] = []  # parallel to token_ids when any row asked; else empty
+    kv_transfer: KVTransferReport | None = None  # KV connector transfers finished since the last result

@@ -19,6 +19,7 @@ the engine loop thread; the registry is guarded by a lock so the HTTP side can r
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 from collections import OrderedDict
@@ -72,6 +73,7 @@ class _Entry:
     host: LoRAAdapter | None
     refs: int = 0  # unfinished user requests that use it
     unloading: bool = False
+    generation: int = 0  # which load of this name (the prefix-cache key includes it)
 
 
 class LoRAManager:
@@ -85,6 +87,7 @@ class LoRAManager:
         self._slot_names: list[str | None] = [None] * settings.max_loras
         self._slot_used_at: list[int] = [-1] * settings.max_loras
         self._step = 0
+        self._loads = itertools.count(1)
 
     # ---- registry ----------------------------------------------------------------------
     def read_adapter(self, name: str, path: str) -> LoRAAdapter:
@@ -107,7 +110,8 @@ class LoRAManager:
         """Register an adapter read by ``read_adapter``."""
         with self._lock:
             self._check_new_name(adapter.name)
-            self._entries[adapter.name] = _Entry(adapter.name, adapter.path, adapter.rank, adapter)
+            self._entries[adapter.name] = _Entry(adapter.name, adapter.path, adapter.rank, adapter,
+                                                 generation=next(self._loads))
             self._touch_host(adapter.name)
         logger.info("LoRA adapter %s loaded from %s (rank %d, %.1f MiB)",
                     adapter.name, adapter.path, adapter.rank, adapter.num_bytes / 2**20)
@@ -150,6 +154,16 @@ class LoRAManager:
         with self._lock:
             return [AdapterInfo(e.name, e.path, e.rank, e.unloading) for e in self._entries.values()
                     if include_unloading or not e.unloading]
+
+    def cache_key(self, name: str) -> str:
+        """The adapter's identity in KV cache keys: its name plus which load this is, so KV
+        computed with an adapter that was unloaded and loaded again (other weights, same
+        name) never hits, in any tier."""
+        with self._lock:
+            entry = self._entries.get(name)
+            if entry is None:
+                raise LoRAError(f"The model `{name}` does not exist.", status=404)
+            return f"{name}#{entry.generation}"
 
     def is_servable(self, name: str) -> bool:
         with self._lock:

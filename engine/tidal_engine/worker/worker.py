@@ -30,6 +30,7 @@ import torch
 
 from tidal_engine.executor.base import PendingStep
 from tidal_engine.executor.plan import NewRequest, SampledLogprobs, SamplingOptions, StepPlan, StepResult
+from tidal_engine.kv_transfer.factory import create_worker_connector
 from tidal_engine.runner.input_buffers import StepInput
 from tidal_engine.runner.model_runner import ModelRunner, SamplerFactory
 
@@ -75,6 +76,7 @@ class WorkerStep(PendingStep):
         self._previous = previous
         self._result: StepResult | None = None
         self._error: BaseException | None = None
+        self.idle = False  # no forward: only KV transfers to wait for
 
     @property
     def done(self) -> bool:
@@ -120,6 +122,8 @@ class Worker:
         # results on a sender thread): both touch the histories under this lock.
         self._lock = threading.RLock()
         self._taking = threading.RLock()  # held while a step's result is being taken
+        # KV connector (kv_transfer/): starts each plan's loads and saves, reports them with results.
+        self.kv_connector = create_worker_connector(config, self.runner.kv_caches, device)
 
     # ---- steps -----------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> WorkerStep:
@@ -133,6 +137,8 @@ class Worker:
                 self._forget(req_id)
             for new in plan.new_requests:
                 self._add(new)
+            if plan.kv_transfer is not None and self.kv_connector is not None:
+                self.kv_connector.start(plan.kv_transfer)  # before the forward: copies overlap it
             return self._launch(plan)
 
     def _behind(self, plan: StepPlan) -> bool:
@@ -191,6 +197,7 @@ class Worker:
                 sampling_states.append(state)
         if not n:
             step = WorkerStep(self, plan.step_id, None, [], self._last_step)
+            step.idle = True
             self._last_step = step
             return step
         ends = starts + q_lens
@@ -254,7 +261,11 @@ class Worker:
             if self._last_step is step:
                 self._last_step = None
         lps: list[SampledLogprobs | None] = list(logprobs) if any(lp is not None for lp in logprobs) else []
-        return StepResult(step_id=step.step_id, req_ids=[st.req_id for st in states], token_ids=token_ids, logprobs=lps)
+        report = None
+        if self.kv_connector is not None:  # a step without a forward only waits for transfers
+            report = self.kv_connector.poll(wait=step.idle)
+        return StepResult(step_id=step.step_id, req_ids=[st.req_id for st in states], token_ids=token_ids, logprobs=lps,
+                          kv_transfer=report)
 
     def settle(self) -> None:
         """Take the results of every launched step (errors included: they were reported)."""
@@ -285,6 +296,10 @@ class Worker:
     def memory_usage(self) -> dict[str, int]:
         return self.runner.memory_usage()
 
+    def kv_connector_info(self) -> dict[str, Any]:
+        """What the core's side of the KV connector needs (e.g. the host pool's size)."""
+        return self.kv_connector.info() if self.kv_connector is not None else {}
+
     def cuda_graph_counts(self) -> dict[str, int]:
         """How many decode and mixed-step CUDA graphs this rank captured."""
         runner = self.runner
@@ -314,6 +329,8 @@ class Worker:
         self.settle()
         if self._requests:
             raise RuntimeError(f"cannot sleep with {len(self._requests)} request(s) still known to the worker")
+        if self.kv_connector is not None:
+            self.kv_connector.wait_all()  # no copy may touch the cache once it is released
         self.runner.release_kv_cache()
         if level == 1:
             self.runner.offload_weights()
@@ -337,6 +354,8 @@ class Worker:
                 self.runner.reload_weights()
         if "kv_cache" in tags:
             self.runner.restore_kv_cache()
+            if self.kv_connector is not None:
+                self.kv_connector.register_kv_caches(self.runner.kv_caches)
         if not self._weights_asleep() and self.runner.kv_cache_resident():
             self._sleep_level = 0
         return self._sleep_level > 0

@@ -1,0 +1,173 @@
+"""The host-memory offload connector, scheduler side: the host tier's map and its transfers.
+
+Saving policy: **write-through**. Each full block is queued for saving to host memory the
+step after it is computed (unless the host tier has it already), instead of on eviction
+from the device pool. Why: the copy then runs on a side stream while later steps compute,
+whereas a save-on-eviction copy sits on the critical path of the step that needs the
+block (its new owner's forward would have to wait for the copy out); and a block is copied
+once however often it is evicted and reloaded. The cost is host bandwidth for blocks that
+are never evicted, which the decode benchmark measures (docs/kv-offload.md).
+
+Each request's load is one transfer; each step's saves are one transfer. Device blocks in a
+transfer are held until its report, host slots are pinned (loads) or reserved (saves).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from tidal_engine.core.block_pool import BlockHash
+from tidal_engine.core.request import Request
+from tidal_engine.kv_transfer.base import (
+    BlockHolder,
+    BlockTransfer,
+    KVConnectorScheduler,
+    KVTransferPlan,
+    KVTransferReport,
+)
+from tidal_engine.kv_transfer.host_pool import HostBlockPool
+
+
+@dataclass
+class OffloadStats:
+    """Cumulative; bytes and seconds as the worker reported them."""
+
+    blocks_loaded: int = 0
+    blocks_saved: int = 0
+    failed_loads: int = 0
+    bytes_loaded: int = 0
+    bytes_saved: int = 0
+    load_seconds: float = 0.0
+    save_seconds: float = 0.0
+
+
+@dataclass
+class _Load:
+    req_id: str
+    block_ids: list[int]
+    slots: list[int]
+    issued: bool = False
+
+
+@dataclass
+class _Save:
+    keys: list[BlockHash] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+
+
+class OffloadConnectorScheduler(KVConnectorScheduler):
+    def __init__(self, holder: BlockHolder, block_size: int, num_host_blocks: int) -> None:
+        self.holder = holder
+        self.block_size = block_size
+        self.pool = HostBlockPool(num_host_blocks)
+        self.offload_stats = OffloadStats()
+        self._ids = itertools.count(1)
+        self._loads: dict[int, _Load] = {}  # transfer id → load (queued or in flight)
+        self._load_of: dict[str, int] = {}  # request id → its load's transfer id
+        self._queued_save = _Save()
+        self._saves: dict[int, _Save] = {}  # in flight
+
+    # ---- lookups and loads ---------------------------------------------------------------
+    def num_matched_tokens(self, request: Request, num_device_hit: int) -> int:
+        hashes = request.update_block_hashes(self.block_size, request.num_tokens - 1)
+        start = num_device_hit // self.block_size
+        return self.pool.lookup(hashes[start:]) * self.block_size
+
+    def start_load(self, request: Request, block_ids: list[int], keys: list[BlockHash]) -> None:
+        slots = self.pool.pin(keys)
+        self.holder.hold_blocks(block_ids)
+        transfer_id = next(self._ids)
+        self._loads[transfer_id] = _Load(request.request_id, list(block_ids), slots)
+        self._load_of[request.request_id] = transfer_id
+
+    # ---- saves (write-through) -----------------------------------------------------------
+    def blocks_computed(self, request: Request, blocks: list[tuple[int, BlockHash]]) -> None:
+        save = self._queued_save
+        for block_id, key in blocks:
+            slot = self.pool.reserve(key)
+            if slot is None:
+                continue  # already in host memory (or being saved), or the pool is all pinned
+            save.keys.append(key)
+            save.block_ids.append(block_id)
+            save.slots.append(slot)
+            self.holder.hold_blocks([block_id])
+
+    # ---- the step's plan and its report --------------------------------------------------
+    def request_finished(self, request: Request) -> None:
+        transfer_id = self._load_of.pop(request.request_id, None)
+        if transfer_id is None:
+            return
+        load = self._loads[transfer_id]
+        if not load.issued:  # no worker touched it: undo now
+            del self._loads[transfer_id]
+            self._end_load(load)
+        # An issued load keeps its blocks held until the worker reports it.
+
+    def build_plan(self) -> KVTransferPlan | None:
+        loads = [BlockTransfer(tid, load.block_ids, load.slots)
+                 for tid, load in self._loads.items() if not load.issued]
+        for transfer in loads:
+            self._loads[transfer.transfer_id].issued = True
+        saves: list[BlockTransfer] = []
+        if self._queued_save.keys:
+            transfer_id = next(self._ids)
+            save, self._queued_save = self._queued_save, _Save()
+            self._saves[transfer_id] = save
+            saves.append(BlockTransfer(transfer_id, save.block_ids, save.slots))
+        if not loads and not saves:
+            return None
+        return KVTransferPlan(loads=loads, saves=saves)
+
+    def on_report(self, report: KVTransferReport) -> tuple[list[str], list[str]]:
+        stats = self.offload_stats
+        stats.bytes_loaded += report.bytes_loaded
+        stats.bytes_saved += report.bytes_saved
+        stats.load_seconds += report.load_seconds
+        stats.save_seconds += report.save_seconds
+        loaded: list[str] = []
+        failed: list[str] = []
+        for transfer_id, ok in [(t, True) for t in report.done] + [(t, False) for t in report.failed]:
+            save = self._saves.pop(transfer_id, None)
+            if save is not None:
+                for key in save.keys:
+                    self.pool.commit(key) if ok else self.pool.abort(key)
+                self.holder.release_blocks(save.block_ids)
+                if ok:
+                    stats.blocks_saved += len(save.keys)
+                continue
+            load = self._loads.pop(transfer_id, None)
+            if load is None:
+                continue
+            self._end_load(load)
+            if self._load_of.get(load.req_id) == transfer_id:  # still alive (not aborted)
+                del self._load_of[load.req_id]
+                (loaded if ok else failed).append(load.req_id)
+            if ok:
+                stats.blocks_loaded += len(load.block_ids)
+            else:
+                stats.failed_loads += 1
+        return loaded, failed
+
+    def has_pending(self) -> bool:
+        return bool(self._loads or self._saves or self._queued_save.keys)
+
+    def reset(self) -> bool:
+        self.pool.clear()
+        return True
+
+    def stats(self) -> dict[str, float]:
+        s = self.offload_stats
+        return {
+            "kv_offload_bytes_loaded": s.bytes_loaded,
+            "kv_offload_bytes_saved": s.bytes_saved,
+            "kv_offload_load_seconds": s.load_seconds,
+            "kv_offload_save_seconds": s.save_seconds,
+            "kv_offload_failed_loads": s.failed_loads,
+            "kv_offload_host_usage": self.pool.usage,
+        }
+
+    def _end_load(self, load: _Load) -> None:
+        self.pool.unpin(load.slots)
+        self.holder.release_blocks(load.block_ids)

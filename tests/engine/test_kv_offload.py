@@ -1,0 +1,161 @@
+"""KV offload to host memory on the CPU backend: the runner's KV cache is the "device" pool and
+the connector's host pool a separate tensor, so the tier logic runs for real here.
+
+A prompt evicted from the small device pool comes back from the host pool: its outputs equal
+those of an engine without offload, and only its unaligned tail is computed (counters).
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tidal_engine import LLM, SamplingParams
+
+from test_lora_support import make_peft_adapter
+from tiny_models import make_tiny_model
+from tiny_tokenizer import EOS_ID, save_byte_tokenizer
+
+BLOCK_BYTES = 2 * 2 * 16 * 2 * 32 * 4  # K and V × layers × block × KV heads × head_dim × fp32
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("tiny-offload")
+    hf = make_tiny_model("qwen3", folder, eos_token_id=EOS_ID, bos_token_id=None, max_position_embeddings=256)
+    save_byte_tokenizer(folder, vocab_size=1000)
+    for seed in (1, 2):
+        make_peft_adapter(hf, folder / f"adapter-{seed}", rank=4, alpha=8, seed=seed, std=0.3)
+    return folder
+
+
+def prompt(seed: int, length: int = 100) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(50, 1000) for _ in range(length)]
+
+
+def make_llm(folder: Path, host_blocks: int | None = 64, device_blocks: int = 10, **options: Any) -> LLM:
+    defaults: dict[str, Any] = dict(dtype="float32", device="cpu", max_model_len=128, num_gpu_blocks_override=device_blocks)
+    if host_blocks is not None:
+        defaults["kv_offloading_size"] = host_blocks * BLOCK_BYTES / 2**30
+    defaults.update(options)
+    return LLM(str(folder), **defaults)
+
+
+def tokens(llm: LLM, prompts: list[list[int]], **kwargs: Any) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, **kwargs)]
+
+
+_REFERENCE: dict[Path, LLM] = {}
+
+
+def reference_llm(model_dir: Path) -> LLM:
+    """No offload and a device pool that never evicts."""
+    if model_dir not in _REFERENCE:
+        _REFERENCE[model_dir] = make_llm(model_dir, host_blocks=None, device_blocks=64)
+    return _REFERENCE[model_dir]
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: Path) -> dict[int, list[int]]:
+    llm = reference_llm(model_dir)
+    seeds = list(range(8))
+    return dict(zip(seeds, tokens(llm, [prompt(s) for s in seeds])))
+
+
+def test_prefix_evicted_from_device_is_served_from_host(model_dir: Path, reference: dict[int, list[int]]) -> None:
+    llm = make_llm(model_dir)
+    engine = llm.engine
+    assert tokens(llm, [prompt(0)]) == [reference[0]]
+    for seed in (1, 2, 3):  # fill the 10-block device pool with other prompts: prompt 0 is evicted there
+        assert tokens(llm, [prompt(seed)]) == [reference[seed]]
+    before = engine.get_stats()
+    assert tokens(llm, [prompt(0)]) == [reference[0]]
+    after = engine.get_stats()
+    assert after.prefix_cache_hits == before.prefix_cache_hits  # nothing left on the device
+    assert after.external_prefix_cache_hits - before.external_prefix_cache_hits == 96  # 6 full blocks
+    assert after.prompt_tokens_computed - before.prompt_tokens_computed == 4  # only the unaligned tail
+    assert after.kv_offload_bytes_loaded - before.kv_offload_bytes_loaded == 6 * BLOCK_BYTES
+    assert after.kv_offload_bytes_saved >= 4 * 6 * BLOCK_BYTES  # write-through: every prompt's full blocks
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_concurrent_loads_preemption_and_aborts(model_dir: Path, reference: dict[int, list[int]],
+                                                async_scheduling: bool) -> None:
+    # 8 device blocks: prompts of 3 blocks growing to 5 preempt each other, and come back
+    # through host loads while others compute.
+    llm = make_llm(model_dir, device_blocks=8, async_scheduling=async_scheduling)
+    long = SamplingParams(temperature=0.0, max_tokens=36, ignore_eos=True)
+    short = [prompt(s, 40) for s in range(4)]
+    expected = [o.outputs[0].token_ids for o in reference_llm(model_dir).generate(short, long)]
+    assert [o.outputs[0].token_ids for o in llm.generate(short, long)] == expected
+    stats = llm.engine.get_stats()
+    assert stats.num_preemptions > 0 and stats.external_prefix_cache_hits > 0
+    # Aborts while loads are in flight: nothing leaks, later requests are still right.
+    engine = llm.engine
+    seeds = [0, 1, 2, 3]
+    assert tokens(llm, [prompt(s) for s in seeds]) == [reference[s] for s in seeds]  # now in the host pool
+    for s in seeds[:4]:
+        engine.add_request(f"abort-{s}", prompt(s), GREEDY)
+    engine.step()
+    for s in seeds[:4]:
+        engine.abort_request(f"abort-{s}")
+    assert tokens(llm, [prompt(5)]) == [reference[5]]
+    engine.core.settle()
+    engine.core._drain_transfers()
+    assert engine.kv_cache_manager.num_free_blocks == 8
+
+
+def test_salts_never_hit_across_tenants_in_the_host_tier(model_dir: Path, reference: dict[int, list[int]]) -> None:
+    llm = make_llm(model_dir)
+    assert tokens(llm, [prompt(0)], cache_salt="alice") == [reference[0]]
+    llm.engine.core.kv_cache_manager.reset_prefix_cache()  # the device tier forgets; the host tier keeps it
+    before = llm.engine.get_stats()
+    assert tokens(llm, [prompt(0)], cache_salt="bob") == [reference[0]]
+    mid = llm.engine.get_stats()
+    assert mid.external_prefix_cache_hits == before.external_prefix_cache_hits
+    llm.engine.core.kv_cache_manager.reset_prefix_cache()
+    assert tokens(llm, [prompt(0)], cache_salt="alice") == [reference[0]]
+    assert llm.engine.get_stats().external_prefix_cache_hits - mid.external_prefix_cache_hits == 96
+
+
+def test_full_host_pool_evicts_least_recently_used(model_dir: Path, reference: dict[int, list[int]]) -> None:
+    llm = make_llm(model_dir, host_blocks=12)  # two prompts' 6 full blocks each
+    for seed in (0, 1, 2):  # 0 is the least recently used when 2 arrives
+        assert tokens(llm, [prompt(seed)]) == [reference[seed]]
+    llm.engine.core.settle()
+    llm.engine.core._drain_transfers()
+    llm.engine.core.kv_cache_manager.reset_prefix_cache()
+    before = llm.engine.get_stats()
+    assert tokens(llm, [prompt(0)]) == [reference[0]]  # gone from host: recomputed
+    mid = llm.engine.get_stats()
+    assert mid.external_prefix_cache_hits == before.external_prefix_cache_hits
+    llm.engine.core.kv_cache_manager.reset_prefix_cache()
+    assert tokens(llm, [prompt(2)]) == [reference[2]]
+    assert llm.engine.get_stats().external_prefix_cache_hits - mid.external_prefix_cache_hits == 96
+
+
+def test_reloaded_adapter_never_hits_kv_of_its_old_weights(model_dir: Path) -> None:
+    options = dict(enable_lora=True, max_lora_rank=4, allowed_lora_roots=[str(model_dir)])
+    llm = make_llm(model_dir, **options)
+    fresh = make_llm(model_dir, host_blocks=None, device_blocks=64, **options)  # no cache at all to hit
+    engine = llm.engine
+    engine.core.load_lora("a", str(model_dir / "adapter-1"))
+    first = tokens(llm, [prompt(0)], lora_name="a")
+    engine.core.remove_lora("a")
+    engine.core.load_lora("a", str(model_dir / "adapter-2"))  # same name, other weights
+    fresh.engine.core.load_lora("a", str(model_dir / "adapter-2"))
+    before = engine.get_stats()
+    second = tokens(llm, [prompt(0)], lora_name="a")
+    after = engine.get_stats()
+    assert after.prefix_cache_hits == before.prefix_cache_hits  # no device hit
+    assert after.external_prefix_cache_hits == before.external_prefix_cache_hits  # no host hit
+    assert second == tokens(fresh, [prompt(0)], lora_name="a") != first
+    # The same adapter load does hit (device tier here, host tier after a device reset).
+    engine.core.kv_cache_manager.reset_prefix_cache()
+    assert tokens(llm, [prompt(0)], lora_name="a") == second
+    assert engine.get_stats().external_prefix_cache_hits - after.external_prefix_cache_hits == 96
