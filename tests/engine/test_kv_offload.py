@@ -159,3 +159,33 @@ def test_reloaded_adapter_never_hits_kv_of_its_old_weights(model_dir: Path) -> N
     engine.core.kv_cache_manager.reset_prefix_cache()
     assert tokens(llm, [prompt(0)], lora_name="a") == second
     assert engine.get_stats().external_prefix_cache_hits - after.external_prefix_cache_hits == 96
+
+
+def test_metrics_split_the_prefix_cache_by_tier(model_dir: Path, reference: dict[int, list[int]]) -> None:
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from tidal_engine.server.metrics import _EngineStatsCollector, metric_value
+
+    llm = make_llm(model_dir)
+    for seed in (0, 1, 2, 3, 0):  # prompt 0 comes back from the host pool
+        assert tokens(llm, [prompt(seed)]) == [reference[seed]]
+    stats = llm.engine.get_stats()
+    registry = CollectorRegistry()
+    snapshot = SimpleNamespace(stats=stats, peak_running=1, sleep_level=0, updated_at=0.0)
+    registry.register(_EngineStatsCollector(SimpleNamespace(snapshot=snapshot), "tiny"))  # type: ignore[arg-type]
+    text = generate_latest(registry).decode()
+
+    def read(name: str, **labels: str) -> float | None:
+        return metric_value(text, name, model_name="tiny", **labels)
+
+    assert read("tidal:external_prefix_cache_hits_total") == 96
+    assert read("tidal:external_prefix_cache_queries_total") == 5 * 100 - stats.prefix_cache_hits
+    assert read("tidal:prefix_cache_tier_hits_total", tier="host") == 96
+    assert read("tidal:prefix_cache_tier_hits_total", tier="device") == stats.prefix_cache_hits
+    assert read("tidal:kv_offload_bytes_total", direction="host_to_device") == 6 * BLOCK_BYTES
+    assert read("tidal:kv_offload_bytes_total", direction="device_to_host") == stats.kv_offload_bytes_saved > 0
+    assert read("tidal:kv_offload_transfer_seconds_total", direction="host_to_device") > 0
+    assert 0 < read("tidal:kv_offload_usage_perc") <= 1
+    assert read("tidal:prompt_tokens_computed_total") == 4 * 100 + 4

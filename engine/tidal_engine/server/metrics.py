@@ -92,7 +92,14 @@ class _EngineStatsCollector(Collector):
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                       value("prefix_cache_queries"))
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", value("prefix_cache_hits"))
+        if getattr(stats, "kv_offload_enabled", False):
+            yield from self._offload_families(stats, labels)
         yield counter("prompt_tokens", "Prefill tokens processed.", value("prompt_tokens_total"))
+        computed = CounterMetricFamily(PREFIX + "prompt_tokens_computed",
+                                       "Tidal only: prompt tokens computed, not served from any cache tier.",
+                                       labels=["model_name"])
+        computed.add_metric(labels, value("prompt_tokens_computed"))
+        yield computed
         yield counter("generation_tokens", "Tokens generated.", value("generation_tokens_total"))
         yield counter("num_preemptions", "Requests preempted (their KV recomputed later).",
                       value("num_preemptions"))
@@ -111,6 +118,53 @@ class _EngineStatsCollector(Collector):
                 snapshot.updated_at,
             )
             yield lora
+
+
+    def _offload_families(self, stats: Any, labels: list[str]) -> Iterator[Metric]:
+        """KV offload (docs/kv-offload.md): the host tier's prefix-cache counters under vLLM's
+        connector names, and Tidal-only families for the tiers, the bytes and the copy time."""
+
+        def value(name: str) -> float:
+            return float(getattr(stats, name, 0) or 0)
+
+        for name, doc, field in (
+            ("external_prefix_cache_queries", "Prompt tokens looked up in the KV connector's tier (host "
+             "memory): those the device prefix cache missed.", "external_prefix_cache_queries"),
+            ("external_prefix_cache_hits", "Prompt tokens loaded from the KV connector's tier (host memory).",
+             "external_prefix_cache_hits"),
+        ):
+            family = CounterMetricFamily(self.prefix + name, doc, labels=["model_name"])
+            family.add_metric(labels, value(field))
+            yield family
+        by_tier = {"queries": ("prefix_cache_queries", "external_prefix_cache_queries"),
+                   "hits": ("prefix_cache_hits", "external_prefix_cache_hits")}
+        for kind, (device, host) in by_tier.items():
+            family = CounterMetricFamily(PREFIX + f"prefix_cache_tier_{kind}",
+                                         f"Tidal only: prefix-cache {kind} in tokens, by tier (device, host).",
+                                         labels=["model_name", "tier"])
+            family.add_metric([*labels, "device"], value(device))
+            family.add_metric([*labels, "host"], value(host))
+            yield family
+        moved = CounterMetricFamily(PREFIX + "kv_offload_bytes", "Tidal only: KV bytes copied between the tiers.",
+                                    labels=["model_name", "direction"])
+        moved.add_metric([*labels, "host_to_device"], value("kv_offload_bytes_loaded"))
+        moved.add_metric([*labels, "device_to_host"], value("kv_offload_bytes_saved"))
+        yield moved
+        took = CounterMetricFamily(PREFIX + "kv_offload_transfer_seconds",
+                                   "Tidal only: time the KV copies between the tiers took (device time on GPU).",
+                                   labels=["model_name", "direction"])
+        took.add_metric([*labels, "host_to_device"], value("kv_offload_load_seconds"))
+        took.add_metric([*labels, "device_to_host"], value("kv_offload_save_seconds"))
+        yield took
+        failed = CounterMetricFamily(PREFIX + "kv_offload_failed_loads",
+                                     "Tidal only: host-to-device loads that failed (the tokens were recomputed).",
+                                     labels=["model_name"])
+        failed.add_metric(labels, value("kv_offload_failed_loads"))
+        yield failed
+        usage = GaugeMetricFamily(PREFIX + "kv_offload_usage_perc",
+                                  "Tidal only: fraction of the host KV pool in use (0 to 1).", labels=["model_name"])
+        usage.add_metric(labels, value("kv_offload_host_usage"))
+        yield usage
 
 
 class ServerMetrics:
