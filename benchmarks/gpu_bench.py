@@ -25,11 +25,19 @@ Benchmarks (suite tidal):
                      prompt again), max_tokens=1, median of 3.
   sleep              device memory before/after sleep level 1 and 2, and wake-up time.
   startup            LLM() construction (load, KV profile, graph capture) seconds.
+Benchmarks (suite long-decode: the KV cache's dtype, issue 15; random weights via --load-format
+dummy, no tokenizer, nothing written to disk but config.json):
+  long_decode_<dtype>  one decode step of 64 sequences at 8,192 tokens of context each, for every
+                     dtype of --kv-cache-dtype (e.g. auto,fp8): GPU time of the captured decode
+                     graph (embedding to logits, sampling excluded) over a KV cache filled with
+                     random values through a shuffled block table; and the KV blocks the same
+                     gpu_memory_utilization budget holds.
 Benchmarks (suite sampled: the issue-13 offline sampled workloads, t=0.8, top_p=0.95, top_k=50):
   throughput_fixed_sampled   256 requests of 256 -> 128, all submitted at once.
   throughput_long_sampled    256 requests of 32 -> 512, all submitted at once.
   throughput_fixed_greedy    the greedy 256 x (256 -> 128) again, same LLM: the reference.
-TIDAL_BENCH_LLM_OPTS (JSON) adds engine options to every LLM of the run.
+TIDAL_BENCH_LLM_OPTS (JSON) adds engine options to every LLM of the run; --kv-cache-dtype sets
+the KV cache's dtype of every LLM (the first of a list; long-decode runs each).
 Hardware limit: an HBM read rate of 4.16 TB/s (measured on this machine type, see
 docs/performance.md) and a bf16 matrix rate of 790 TFLOP/s.
 """
@@ -68,7 +76,7 @@ SHAPES: dict[str, dict[str, Any]] = {
     # For trying the script on a CPU: not a real model.
     "tiny-test": dict(
         hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-        intermediate_size=128, vocab_size=4096, tie_word_embeddings=True, max_position_embeddings=8192,
+        intermediate_size=128, vocab_size=4096, tie_word_embeddings=True, max_position_embeddings=16384,
     ),
 }
 EOS_ID = 151645
@@ -147,6 +155,19 @@ def make_model_folder(shape: str, root: Path) -> Path:
     return folder
 
 
+def make_config_folder(shape: str, root: Path) -> Path:
+    """config.json only, plus a one-tensor stand-in weights file so the folder passes the
+    loader's checks: for ``load_format="dummy"`` engines, which read no weights."""
+    from safetensors.torch import save_file
+
+    folder = root / f"{shape}-config-only"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(hf_config(shape), indent=1))
+    save_file({"model.norm.weight": torch.ones(SHAPES[shape]["hidden_size"], dtype=torch.bfloat16)},
+              str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
 def save_tokenizer(folder: Path, vocab_size: int) -> None:
     """A word-level tokenizer over the full vocabulary (ids decode to ``t<id>``)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -180,9 +201,9 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def kv_bytes_per_token(shape: str) -> int:
+def kv_bytes_per_token(shape: str, element_bytes: int = 2) -> int:
     c = SHAPES[shape]
-    return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * c["head_dim"] * 2
+    return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * c["head_dim"] * element_bytes
 
 
 def decode_roofline(shape: str, context: float) -> dict[str, float]:
@@ -288,7 +309,8 @@ def free_cuda() -> None:
 def make_llm(folder: Path, **options: Any) -> tuple[Any, float]:
     from tidal_engine import LLM
 
-    opts: dict[str, Any] = dict(dtype="bfloat16", max_model_len=4096, max_num_seqs=256, seed=0)
+    opts: dict[str, Any] = dict(dtype="bfloat16", max_model_len=4096, max_num_seqs=256, seed=0,
+                                kv_cache_dtype=KV_CACHE_DTYPES[0])
     # Extra engine options for a whole run, e.g. '{"mixed_cuda_graphs": false}'.
     opts.update(json.loads(os.environ.get("TIDAL_BENCH_LLM_OPTS") or "{}"))
     opts.update(options)
@@ -481,6 +503,7 @@ def bench_sleep(llm: Any) -> dict[str, Any]:
 
 
 SKIP: set[str] = set()
+KV_CACHE_DTYPES: list[str] = ["auto"]  # --kv-cache-dtype
 
 
 def run_guarded(results: dict[str, Any], name: str, fn: Callable[[], Any], save: Callable[[], None]) -> None:
@@ -590,6 +613,90 @@ def suite_sampled(shape: str, folder: Path, results: dict[str, Any], save: Calla
     free_cuda()
 
 
+def fill_kv_random(caches: list[torch.Tensor], num_blocks: int) -> None:
+    """Random N(0, 1) keys and values in the first ``num_blocks`` blocks of every layer (fp8
+    caches get them rounded to e4m3), one layer at a time."""
+    gen = torch.Generator(device=caches[0].device).manual_seed(0)
+    for cache in caches:
+        part = cache[:, :num_blocks]
+        part.copy_(torch.randn(part.shape, generator=gen, device=part.device, dtype=torch.bfloat16).to(part.dtype))
+
+
+def bench_long_decode(runner: Any, shape: str, batch: int, context: int, reps: int = 20) -> dict[str, Any]:
+    """GPU time of one captured decode step of ``batch`` sequences at ``context`` tokens each."""
+    graphs = runner.graphs
+    if graphs is None or batch not in graphs.graphs:
+        return {"error": f"no decode CUDA graph for batch {batch}"}
+    blocks_per = -(-context // runner.config.block_size)
+    need = batch * blocks_per
+    if need > runner.num_blocks or blocks_per > graphs.max_blocks_per_seq:
+        return {"error": f"{need} blocks needed, {runner.num_blocks} in the cache"}
+    fill_kv_random(runner.kv_caches, need)
+    # A shuffled block table, as a cache shared by many requests over time ends up.
+    order = torch.randperm(need, generator=torch.Generator().manual_seed(1)).to(graphs.block_tables.device)
+    graphs._dummy_inputs(batch)  # slots -1: the step reads the cache and writes nothing
+    graphs._span(batch, "seq_lens").fill_(context)
+    graphs.block_tables[:batch, :blocks_per].copy_(order.view(batch, blocks_per))
+    g = graphs.graphs[batch].graph
+    for _ in range(3):
+        g.replay()
+    sync()
+    events = []
+    for _ in range(reps):
+        a, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        e.record()
+        events.append((a, e))
+    sync()
+    times = [a.elapsed_time(e) for a, e in events]
+    ms = statistics.median(times)
+    element = runner.kv_caches[0].element_size()
+    kv_bytes = kv_bytes_per_token(shape, element) * batch * context
+    weight_bytes = 2 * param_counts(shape)["read_per_step"]
+    roofline_ms = (kv_bytes + weight_bytes) / HBM_READ_BYTES_PER_S * 1e3
+    return {
+        "batch": batch, "context": context, "kv_cache_dtype": str(runner.kv_caches[0].dtype),
+        "kv_blocks": runner.num_blocks, "kv_bytes_per_block": runner.kv_spec.bytes_per_block,
+        "gpu_ms_median": ms, "gpu_ms_min": min(times), "gpu_ms_max": max(times), "replays": reps,
+        "decode_tok_s_gpu": batch / ms * 1e3,
+        "kv_bytes_read_per_step": kv_bytes, "weight_bytes_read_per_step": weight_bytes,
+        "roofline_ms": roofline_ms, "fraction_of_roofline": roofline_ms / ms,
+    }
+
+
+def suite_long_decode(shape: str, root: Path, results: dict[str, Any], save: Callable[[], None],
+                      batch: int = 64, context: int = 8192) -> None:
+    """64 sequences x 8k context, one LLM per --kv-cache-dtype, then the ratios to the first."""
+    folder = make_config_folder(shape, root)
+    os.environ["TIDAL_GEMV"] = "0"  # one-row GEMV choice: irrelevant at batch 64, and it takes seconds
+    opts = dict(load_format="dummy", skip_tokenizer_init=True, max_model_len=context + 128, max_num_seqs=batch,
+                cuda_graph_sizes=[batch], mixed_cuda_graphs=False, max_num_batched_tokens=2048)
+    results["long_decode_options"] = opts
+    for kv in KV_CACHE_DTYPES:
+        def run(kv: str = kv) -> dict[str, Any]:
+            llm, startup = make_llm(folder, kv_cache_dtype=kv, **opts)
+            try:
+                r = bench_long_decode(llm.engine.runner, shape, batch, context)
+                r["llm_construct_s"] = startup
+                return r
+            finally:
+                llm.engine.shutdown()
+                del llm
+                free_cuda()
+
+        run_guarded(results, f"long_decode_{kv}", run, save)
+    base = results.get(f"long_decode_{KV_CACHE_DTYPES[0]}", {})
+    for kv in KV_CACHE_DTYPES[1:]:
+        other = results.get(f"long_decode_{kv}", {})
+        if "gpu_ms_median" in base and "gpu_ms_median" in other:
+            results[f"{kv}_vs_{KV_CACHE_DTYPES[0]}"] = {
+                "decode_speedup": base["gpu_ms_median"] / other["gpu_ms_median"],
+                "kv_blocks_ratio": other["kv_blocks"] / base["kv_blocks"],
+            }
+    save()
+
+
 def _construct_only(folder: Path) -> float:
     llm, t = make_llm(folder)
     del llm
@@ -669,13 +776,17 @@ def git_commit() -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", choices=sorted(SHAPES), required=True)
-    ap.add_argument("--suite", choices=["tidal", "hf", "smoke", "sampled"], required=True)
+    ap.add_argument("--suite", choices=["tidal", "hf", "smoke", "sampled", "long-decode"], required=True)
+    ap.add_argument("--kv-cache-dtype", default="auto",
+                    help="KV cache dtype of every LLM (auto, fp8); long-decode takes a list (auto,fp8) and "
+                         "compares them")
     ap.add_argument("--hf-parts", default="eager,static,batch")
     ap.add_argument("--skip", default="", help="comma-separated tidal benchmarks to skip")
     ap.add_argument("--models", default="/tmp/tidal-bench-models")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     SKIP.update(x for x in args.skip.split(",") if x)
+    KV_CACHE_DTYPES[:] = [x for x in args.kv_cache_dtype.split(",") if x]
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -699,6 +810,11 @@ def main() -> None:
     def save() -> None:
         out.write_text(json.dumps(results, indent=1, default=str))
 
+    if args.suite == "long-decode":
+        suite_long_decode(args.shape, Path(args.models), results, save)
+        save()
+        print("done", out, flush=True)
+        return
     t0 = time.perf_counter()
     folder = make_model_folder(args.shape, Path(args.models))
     results["model_folder_build_s"] = time.perf_counter() - t0
