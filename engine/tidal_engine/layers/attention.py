@@ -26,7 +26,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from tidal_engine.layers.kv_cache_dtype import from_cache, to_cache
+from tidal_engine.layers.kv_cache_dtype import byte_view, from_cache, to_cache
 
 
 @dataclass
@@ -79,9 +79,9 @@ class TorchAttentionBackend:
         num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
         keep = slot_mapping >= 0
         slots = slot_mapping[keep]
-        flat = kv_cache.view(2, num_blocks * block_size, *kv_cache.shape[3:])
-        flat[0, slots] = to_cache(key[keep], k_scale, kv_cache.dtype)
-        flat[1, slots] = to_cache(value[keep], v_scale, kv_cache.dtype)
+        flat = byte_view(kv_cache).view(2, num_blocks * block_size, *kv_cache.shape[3:])
+        flat[0, slots] = byte_view(to_cache(key[keep], k_scale, kv_cache.dtype))
+        flat[1, slots] = byte_view(to_cache(value[keep], v_scale, kv_cache.dtype))
 
     def forward(
         self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
@@ -100,8 +100,8 @@ class TorchAttentionBackend:
                 continue
             num_blocks = (seq_len + block_size - 1) // block_size
             blocks = meta.block_tables[i, :num_blocks].long()
-            k = kv_cache[0, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
-            v = kv_cache[1, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+            k = byte_view(kv_cache)[0, blocks].view(kv_cache.dtype).reshape(-1, num_kv_heads, head_dim)[:seq_len]
+            v = byte_view(kv_cache)[1, blocks].view(kv_cache.dtype).reshape(-1, num_kv_heads, head_dim)[:seq_len]
             # Query j sits at position seq_len - q_len + j and sees keys up to there.
             q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
             k_pos = torch.arange(seq_len, device=query.device)
@@ -129,8 +129,9 @@ class TorchAttentionBackend:
         group = num_heads // num_kv_heads
         width = (meta.max_seq_len + block_size - 1) // block_size
         blocks = meta.block_tables[:, :width].long()
-        k = from_cache(kv_cache[0, blocks].reshape(num_seqs, width * block_size, num_kv_heads, head_dim), k_scale)
-        v = from_cache(kv_cache[1, blocks].reshape(num_seqs, width * block_size, num_kv_heads, head_dim), v_scale)
+        shape = (num_seqs, width * block_size, num_kv_heads, head_dim)
+        k = from_cache(byte_view(kv_cache)[0, blocks].view(kv_cache.dtype).reshape(shape), k_scale)
+        v = from_cache(byte_view(kv_cache)[1, blocks].view(kv_cache.dtype).reshape(shape), v_scale)
         valid = torch.arange(width * block_size, device=query.device)[None, :] < meta.seq_lens[:, None]
         # Padding slots may hold anything (even NaN). Masking the scores covers the keys; the
         # values need zeros so the masked weights (exact zeros) keep the sum finite.

@@ -55,6 +55,12 @@ def from_cache(x: torch.Tensor, scale: float) -> torch.Tensor:
     return out * scale if is_fp8(x.dtype) else out
 
 
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """An fp8 tensor as raw bytes, for indexing (gather / index_put are not implemented for
+    float8 on every device); any other tensor as it is. ``.view(dtype)`` turns it back."""
+    return t.view(torch.uint8) if is_fp8(t.dtype) else t
+
+
 # Checkpoint names of the per-layer scales, after ``model.layers.<i>.``: what llm-compressor /
 # compressed-tensors, AutoFP8, ModelOpt and vLLM's own saved models write. "kv" is the old
 # single scale for both. q_scale/prob_scale (FP8 attention math) are read and ignored.

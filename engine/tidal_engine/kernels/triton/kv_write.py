@@ -24,8 +24,7 @@ def to_cache_value(x, inv_scale, cache_ty: tl.constexpr, FP8: tl.constexpr):
     """``x`` as the cache stores it: a plain cast, or for fp8 ``x * (1 / scale)`` in fp32,
     clamped to the finite e4m3 range and rounded (layers/kv_cache_dtype.to_cache)."""
     if FP8:
-        y = tl.clamp(x.to(tl.float32) * inv_scale, -FP8_MAX, FP8_MAX)
-        return y.to(cache_ty)
+        x = tl.minimum(tl.maximum(x.to(tl.float32) * inv_scale, -FP8_MAX), FP8_MAX)
     return x.to(cache_ty)
 
 
