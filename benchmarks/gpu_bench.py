@@ -30,8 +30,10 @@ dummy, no tokenizer, nothing written to disk but config.json):
   long_decode_<dtype>  one decode step of 64 sequences at 8,192 tokens of context each, for every
                      dtype of --kv-cache-dtype (e.g. auto,fp8): GPU time of the captured decode
                      graph (embedding to logits, sampling excluded) over a KV cache filled with
-                     random values through a shuffled block table; and the KV blocks the same
-                     gpu_memory_utilization budget holds.
+                     random values through a shuffled block table; the KV blocks the same
+                     gpu_memory_utilization budget holds; and (attention_sweep, --skip takes it)
+                     the paged-attention kernel alone on layer 0's cache for KV split counts
+                     1/2/4/8 and key tiles 32/64/128.
 Benchmarks (suite sampled: the issue-13 offline sampled workloads, t=0.8, top_p=0.95, top_k=50):
   throughput_fixed_sampled   256 requests of 256 -> 128, all submitted at once.
   throughput_long_sampled    256 requests of 32 -> 512, all submitted at once.
@@ -655,7 +657,7 @@ def bench_long_decode(runner: Any, shape: str, batch: int, context: int, reps: i
     kv_bytes = kv_bytes_per_token(shape, element) * batch * context
     weight_bytes = 2 * param_counts(shape)["read_per_step"]
     roofline_ms = (kv_bytes + weight_bytes) / HBM_READ_BYTES_PER_S * 1e3
-    return {
+    result = {
         "batch": batch, "context": context, "kv_cache_dtype": str(runner.kv_caches[0].dtype),
         "kv_blocks": runner.num_blocks, "kv_bytes_per_block": runner.kv_spec.bytes_per_block,
         "gpu_ms_median": ms, "gpu_ms_min": min(times), "gpu_ms_max": max(times), "replays": reps,
@@ -663,6 +665,49 @@ def bench_long_decode(runner: Any, shape: str, batch: int, context: int, reps: i
         "kv_bytes_read_per_step": kv_bytes, "weight_bytes_read_per_step": weight_bytes,
         "roofline_ms": roofline_ms, "fraction_of_roofline": roofline_ms / ms,
     }
+    if "attention_sweep" not in SKIP:
+        result["attention_sweep"] = sweep_attention(runner, graphs.block_tables[:batch], batch, context)
+    return result
+
+
+def sweep_attention(runner: Any, block_tables: torch.Tensor, batch: int, context: int,
+                    splits: tuple[int, ...] = (1, 2, 4, 8), block_ns: tuple[int, ...] = (32, 64, 128)) -> dict[str, Any]:
+    """The paged-attention kernel alone at the decode shape, over layer 0's cache, for the KV
+    split counts and key tiles the kernel takes as overrides (the engine's pick: splits=1,
+    block_n=64 here): how far from the read rate one layer's attention is, and what helps."""
+    from tidal_engine.kernels.triton.paged_attention import paged_attention
+
+    attn = runner.model.layers[runner.model.start_layer].self_attn
+    cache = runner.kv_caches[0]
+    heads, dim = attn.num_heads, attn.head_dim
+    dev = cache.device
+    q = torch.randn(batch, heads, dim, device=dev, dtype=runner.dtype)
+    seq_lens = torch.full((batch,), context, dtype=torch.int64, device=dev)
+    starts = torch.arange(batch + 1, dtype=torch.int64, device=dev)
+    layer_bytes = cache.element_size() * 2 * batch * context * cache.shape[3] * dim
+    out: dict[str, Any] = {"kv_bytes_per_layer": layer_bytes}
+    for n in splits:
+        for bn in block_ns:
+            def call() -> Any:
+                return paged_attention(q, cache, block_tables, seq_lens, starts, dim**-0.5, 1, block_n=bn,
+                                       num_splits=n, k_scale=attn.attn.k_scale, v_scale=attn.attn.v_scale)
+            try:
+                for _ in range(2):
+                    call()
+                sync()
+                events = []
+                for _ in range(10):
+                    a, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    a.record()
+                    call()
+                    e.record()
+                    events.append((a, e))
+                sync()
+                us = statistics.median(a.elapsed_time(e) for a, e in events) * 1e3
+                out[f"splits{n}_block_n{bn}"] = {"us": us, "read_TB_s": layer_bytes / us / 1e6}
+            except Exception as exc:  # e.g. a tile that runs out of shared memory: record, go on
+                out[f"splits{n}_block_n{bn}"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+    return out
 
 
 def suite_long_decode(shape: str, root: Path, results: dict[str, Any], save: Callable[[], None],
