@@ -113,6 +113,24 @@ def test_fp8_cache_survives_sleep(tiny_dir: Path) -> None:
         assert token_ids(llm, SAMPLE_PROMPTS[:2]) == before
 
 
+def test_fp8_blocks_round_trip_through_the_host_offload_pool(tiny_dir: Path) -> None:
+    # The offload connector copies blocks as bytes: an fp8 block is a quarter of an fp32 one,
+    # and a prefix evicted from the device comes back from host memory unchanged.
+    block_bytes = 2 * 2 * BLOCK * 2 * 32  # K and V x layers x block x KV heads x head_dim, 1 byte each
+    prompts = [[50 + (7 * i * seed) % 900 for i in range(100)] for seed in (1, 2, 3, 4)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    roomy = make_llm(tiny_dir, kv_cache_dtype="fp8")
+    reference = [o.outputs[0].token_ids for o in roomy.generate(prompts, params)]
+    llm = make_llm(tiny_dir, kv_cache_dtype="fp8", num_gpu_blocks_override=10,
+                   kv_offloading_size=64 * block_bytes / 2**30)
+    for p, want in zip(prompts, reference):  # each evicts the one before from the 10 device blocks
+        assert llm.generate([p], params)[0].outputs[0].token_ids == want
+    before = llm.engine.get_stats()
+    assert llm.generate([prompts[0]], params)[0].outputs[0].token_ids == reference[0]
+    after = llm.engine.get_stats()
+    assert after.kv_offload_bytes_loaded - before.kv_offload_bytes_loaded == 6 * block_bytes
+
+
 @pytest.mark.parametrize(("model_dtype", "ratio"), [("bfloat16", 2), ("float32", 4)])
 def test_the_byte_budget_holds_more_fp8_blocks(tiny_dir: Path, model_dtype: str, ratio: int) -> None:
     budget = 1 << 20
