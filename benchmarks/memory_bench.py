@@ -99,6 +99,7 @@ def stage_engine(args: argparse.Namespace) -> dict[str, Any]:
         "memory_report": runner.memory_report,
         "kv_blocks": runner.num_blocks,
         "fixed_address_weights": runner.weights.stable_addresses,
+        "startup_seconds": getattr(runner, "startup_seconds", None),
         "graph_capture_s": runner.graphs.capture_seconds if runner.graphs else None,
         "mixed_graph_capture_s": runner.mixed_graphs.capture_seconds if runner.mixed_graphs else None,
     }
@@ -127,6 +128,7 @@ def stage_construct(args: argparse.Namespace) -> dict[str, Any]:
     llm, construct_s = _llm(folder, gpu_memory_utilization=0.9, enable_sleep_mode=True, cache_dir=args.cache_dir)
     runner = llm.engine.runner
     return {"construct_s": construct_s, "kv_blocks": runner.num_blocks,
+            "startup_seconds": getattr(runner, "startup_seconds", None),
             "graph_capture_s": runner.graphs.capture_seconds if runner.graphs else None,
             "mixed_graph_capture_s": runner.mixed_graphs.capture_seconds if runner.mixed_graphs else None}
 

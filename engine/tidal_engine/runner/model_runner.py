@@ -48,6 +48,7 @@ from tidal_engine.runner.memory_budget import (
 )
 from tidal_engine.runner.mixed_graphs import MixedGraphs
 from tidal_engine.runner.persistent_batch import PersistentBatch
+from tidal_engine.runner.startup_clock import StartupClock
 from tidal_engine.runner.weight_store import WeightStore, pack_offsets
 
 if TYPE_CHECKING:  # the sampler's module is imported lazily (see default_sampler)
@@ -118,7 +119,9 @@ class ModelRunner:
         # What the engine may use of the device (gpu_memory_utilization, runner/memory_budget.py):
         # free memory is read before anything of ours is on the device.
         self._free_before_load = self._check_device_memory()
+        clock = StartupClock(device)
         self.model = load_model(source, dtype, device, getattr(config, "load_format", "auto"))
+        clock.mark("load_weights")
         self.backend = choose_attention_backend(device)
         set_attention_backend(self.model, self.backend)
         # Multi-LoRA: adapter slots and hooks on the linears; None unless enable_lora.
@@ -127,6 +130,7 @@ class ModelRunner:
         # with sleep mode on CUDA its addresses (and the KV cache's) survive sleep, so the
         # CUDA graphs are kept (runner/weight_store.py, runner/cuda_vmm.py).
         self.weights = WeightStore(self.model, device, fixed_addresses=config.enable_sleep_mode)
+        clock.mark("weight_store")
         self._kv_range: VmmRange | None = None
         self._kv_resident = False
         # The cache's storage dtype: the model's, or fp8 (half the bytes, so twice the blocks).
@@ -139,13 +143,21 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.mixed_graphs: MixedGraphs | None = None
         self._gemv_choices: dict = {}  # (N, K, dtype, bias) → GEMV config or None (cuBLAS)
+        clock.mark("sampler_and_buffers")
         self._choose_one_row_linears()
+        clock.mark("one_row_linear_choice")
         self._warm_up_kernels()
+        clock.mark("kernel_warm_up")
         self.memory_report: dict[str, Any] = {}
         self.num_blocks = self._decide_num_blocks()
+        clock.mark("memory_profile")
         self.kv_caches: list[torch.Tensor] = self._allocate_kv_caches()
+        clock.mark("kv_cache")
         self.capture_cuda_graphs()
+        clock.mark("cuda_graphs")
         self._report_footprint()
+        self.startup_seconds = clock.seconds
+        clock.log()
 
     # ---- KV cache sizing -------------------------------------------------------------
     def _decide_num_blocks(self) -> int:
@@ -624,6 +636,7 @@ class ModelRunner:
         fill_weights(self.model, self.source, getattr(self.config, "load_format", "auto"))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()  # the reads' device staging tensors: not part of the engine's share
         self._maybe_recapture()
 
     def memory_usage(self) -> dict[str, int]:
