@@ -61,6 +61,16 @@ def teacher_forced_logits(model: LlamaForCausalLM, tokens: list[int], cache_dtyp
     return torch.cat(outs)
 
 
+def prefill_logits(model: LlamaForCausalLM, tokens: list[int], cache_dtype: torch.dtype) -> torch.Tensor:
+    """Logits of every position from one prefill; the keys and values are read back from the
+    paged cache (the reference backend stores, then attends over the cache)."""
+    cfg = model.config
+    table = scattered_block_table(-(-len(tokens) // BLOCK))
+    shape = (2, max(table) + 2, BLOCK, cfg.num_key_value_heads, cfg.head_dim)
+    caches = [torch.zeros(shape, dtype=cache_dtype) for _ in range(cfg.num_hidden_layers)]
+    return forward_batch(model, caches, [SeqStep(tokens, 0, table)], BLOCK)[0]
+
+
 def test_rounding_is_within_half_an_e4m3_ulp() -> None:
     x = torch.randn(4096, generator=torch.Generator().manual_seed(0)) * 3
     for scale in (1.0, 0.05, 7.0):
