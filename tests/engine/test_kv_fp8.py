@@ -237,3 +237,16 @@ def test_tensor_parallel_ranks_keep_their_heads_in_fp8(tmp_path: Path) -> None:
         _assert_same(reference, tp2.generate(SAMPLE_PROMPTS[:4], params))
     finally:
         tp2.engine.shutdown()
+
+
+def test_the_command_line_flag_reaches_the_cache(tiny_dir: Path, capsys: pytest.CaptureFixture[str],
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    # What the operator's quantization.kvCache: fp8 becomes: --kv-cache-dtype fp8 on the engine.
+    from test_cli import run_main
+
+    caplog.set_level("INFO", logger="tidal_engine.engine.core")
+    code = run_main(["generate", "--model", str(tiny_dir), "--prompt", "hello", "--max-tokens", "4", "--device", "cpu",
+                     "--kv-cache-memory-bytes", "1M", "--kv-cache-dtype", "fp8"])
+    assert code == 0 and capsys.readouterr().out.strip()
+    # 10**6 bytes over 4 KiB fp8 blocks (2 layers x K and V x 16 slots x 2 heads x 32): 244 (fp32: 61).
+    assert "kv_cache_dtype=fp8" in caplog.text and "kv_blocks=244" in caplog.text
