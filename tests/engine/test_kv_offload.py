@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from tidal_engine import LLM, SamplingParams
 
-from test_lora_support import make_peft_adapter
 from tiny_models import make_tiny_model
 from tiny_tokenizer import EOS_ID, save_byte_tokenizer
 
@@ -26,8 +26,19 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("tiny-offload")
-    hf = make_tiny_model("qwen3", folder, eos_token_id=EOS_ID, bos_token_id=None, max_position_embeddings=256)
+    make_tiny_model("qwen3", folder, eos_token_id=EOS_ID, bos_token_id=None, max_position_embeddings=256)
     save_byte_tokenizer(folder, vocab_size=1000)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def adapter_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two adapters of other weights for the model (the same seeded model, rebuilt)."""
+    from test_lora_support import make_peft_adapter  # peft: only this test needs it
+
+    
+    folder = tmp_path_factory.mktemp("offload-adapters")
+    hf = make_tiny_model("qwen3", folder / "base", eos_token_id=EOS_ID, bos_token_id=None, max_position_embeddings=256)
     for seed in (1, 2):
         make_peft_adapter(hf, folder / f"adapter-{seed}", rank=4, alpha=8, seed=seed, std=0.3)
     return folder
@@ -139,16 +150,16 @@ def test_full_host_pool_evicts_least_recently_used(model_dir: Path, reference: d
     assert llm.engine.get_stats().external_prefix_cache_hits - mid.external_prefix_cache_hits == 96
 
 
-def test_reloaded_adapter_never_hits_kv_of_its_old_weights(model_dir: Path) -> None:
-    options = dict(enable_lora=True, max_lora_rank=4, allowed_lora_roots=[str(model_dir)])
+def test_reloaded_adapter_never_hits_kv_of_its_old_weights(model_dir: Path, adapter_dir: Path) -> None:
+    options = dict(enable_lora=True, max_lora_rank=4, allowed_lora_roots=[str(adapter_dir)])
     llm = make_llm(model_dir, **options)
     fresh = make_llm(model_dir, host_blocks=None, device_blocks=64, **options)  # no cache at all to hit
     engine = llm.engine
-    engine.core.load_lora("a", str(model_dir / "adapter-1"))
+    engine.core.load_lora("a", str(adapter_dir / "adapter-1"))
     first = tokens(llm, [prompt(0)], lora_name="a")
     engine.core.remove_lora("a")
-    engine.core.load_lora("a", str(model_dir / "adapter-2"))  # same name, other weights
-    fresh.engine.core.load_lora("a", str(model_dir / "adapter-2"))
+    engine.core.load_lora("a", str(adapter_dir / "adapter-2"))  # same name, other weights
+    fresh.engine.core.load_lora("a", str(adapter_dir / "adapter-2"))
     before = engine.get_stats()
     second = tokens(llm, [prompt(0)], lora_name="a")
     after = engine.get_stats()
@@ -189,3 +200,21 @@ def test_metrics_split_the_prefix_cache_by_tier(model_dir: Path, reference: dict
     assert read("tidal:kv_offload_transfer_seconds_total", direction="host_to_device") > 0
     assert 0 < read("tidal:kv_offload_usage_perc") <= 1
     assert read("tidal:prompt_tokens_computed_total") == 4 * 100 + 4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_cuda_streams_serve_evicted_prefixes_exactly(model_dir: Path, async_scheduling: bool) -> None:
+    """The GPU path: pinned pool, side-stream copies, events; outputs equal a no-offload run."""
+    options: dict[str, Any] = dict(device="cuda", async_scheduling=async_scheduling, enforce_eager=True)
+    plain = make_llm(model_dir, host_blocks=None, device_blocks=64, **options)
+    llm = make_llm(model_dir, device_blocks=10, **options)
+    assert llm.engine.core.executor.collective_rpc("kv_connector_info")[0]["pinned"]
+    seeds = [0, 1, 2, 3, 0, 2, 1]
+    expected = tokens(plain, [prompt(s) for s in seeds])
+    got = [tokens(llm, [prompt(s)])[0] for s in seeds]  # one at a time: each evicts the older ones
+    assert got == expected
+    assert tokens(llm, [prompt(s) for s in seeds]) == expected  # and all at once
+    stats = llm.engine.get_stats()
+    assert stats.external_prefix_cache_hits >= 3 * 96 and stats.kv_offload_load_seconds > 0

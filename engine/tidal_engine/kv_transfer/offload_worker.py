@@ -58,10 +58,9 @@ class OffloadConnectorWorker(KVConnectorWorker):
             raise ValueError(f"--kv-offloading-size {size_gib} GiB is smaller than one KV block "
                              f"({bytes_per_block(kv_caches)} bytes)")
         started = time.perf_counter()
-        self.host = torch.empty((self.num_slots, len(self._layers), 2, self._half_bytes), dtype=torch.uint8,
-                                pin_memory=self.is_cuda)
-        logger.info("KV offload: %d host blocks (%.2f GiB%s) in %.1f s", self.num_slots,
-                    self.host.numel() / 2**30, ", pinned" if self.is_cuda else "", time.perf_counter() - started)
+        self.host = _host_pool((self.num_slots, len(self._layers), 2, self._half_bytes), self.is_cuda)
+        logger.info("KV offload: %d host blocks (%.2f GiB%s) in %.1f s", self.num_slots, self.host.numel() / 2**30,
+                    ", pinned" if self.host.is_pinned() else "", time.perf_counter() - started)
         chunk = max(1, STAGING_BYTES // self._block_bytes)
         self.chunk_blocks = chunk
         self._stage_load = torch.empty((chunk, len(self._layers), 2, self._half_bytes), dtype=torch.uint8, device=device)
@@ -77,7 +76,8 @@ class OffloadConnectorWorker(KVConnectorWorker):
         self._block_bytes = 2 * self._half_bytes * len(self._layers)
 
     def info(self) -> dict[str, Any]:
-        return {"num_host_blocks": self.num_slots, "bytes_per_block": self._block_bytes}
+        return {"num_host_blocks": self.num_slots, "bytes_per_block": self._block_bytes,
+                "pinned": bool(self.host.is_pinned())}
 
     # ---- starting transfers ----------------------------------------------------------------
     def start(self, plan: KVTransferPlan) -> None:
@@ -150,6 +150,24 @@ class OffloadConnectorWorker(KVConnectorWorker):
 
     def close(self) -> None:
         self.wait_all()
+
+
+def _host_pool(shape: tuple[int, ...], pin: bool) -> torch.Tensor:
+    """The pool's bytes. On CUDA they are page-locked with cudaHostRegister, so the pool takes
+    exactly its size (torch's pinned allocator would round it up to a power of two, past the
+    Pod's memory limit); if registering fails, that allocator is the fallback."""
+    pool = torch.empty(shape, dtype=torch.uint8)
+    if not pin:
+        return pool
+    try:
+        err = torch.cuda.cudart().cudaHostRegister(pool.data_ptr(), pool.numel(), 0)
+        if int(getattr(err, "value", err)) == 0 and pool.is_pinned():
+            return pool
+        logger.warning("cudaHostRegister of the KV host pool failed (%s); using torch's pinned allocator", err)
+    except Exception as exc:  # noqa: BLE001 - any failure: the fallback below
+        logger.warning("cudaHostRegister unavailable (%s); using torch's pinned allocator", exc)
+    del pool
+    return torch.empty(shape, dtype=torch.uint8, pin_memory=True)
 
 
 def _runs(slots: list[int]) -> list[tuple[int, int, int]]:
