@@ -1,13 +1,15 @@
-"""The model's parameters packed into one flat device buffer, for fast sleep and wake.
+"""The model's parameters as views into one flat device buffer, for fast sleep and wake.
 
-Every parameter becomes a view into one byte buffer (each at a 256-byte aligned offset).
-Sleep level 1 is then one device→host copy into a pinned host buffer, allocated at the first
-sleep and reused by every later one, and a wake is one host→device copy back. Level 2 drops
-the device buffer without a copy; the wake reloads the checkpoint into the same views.
+Sleep level 1 copies the parameters into one pinned host buffer, allocated at the first sleep
+and reused by every later one; a wake is one host→device copy into one flat device buffer
+whose views the parameters become. Level 2 drops the device memory without a copy; the wake
+reloads the checkpoint into the same views.
 
-On CUDA the buffer is a ``VmmRange`` where the driver allows it: its addresses survive
-sleep, so the CUDA graphs stay valid (``stable_addresses``). Elsewhere the buffer is an
-ordinary tensor, re-allocated on wake, and the views are re-pointed at the new one.
+With ``fixed_addresses`` (sleep mode on CUDA) the parameters move into a ``VmmRange`` at
+start-up: its addresses survive sleep, so the CUDA graphs stay valid (``stable_addresses``).
+That move needs the weights' size free twice for a moment. Otherwise the parameters keep
+their own storage until the first sleep, and the flat buffer is an ordinary tensor, allocated
+on wake, with the views re-pointed at it (the runner captures the graphs again).
 Buffers (rotary tables, LoRA slots) are not part of the store: they stay where they are.
 """
 
@@ -51,17 +53,17 @@ class WeightStore:
         offsets, self.nbytes = pack_offsets([p.numel() * p.element_size() for p in params])
         self._slots = [_Slot(p, off, p.shape, p.dtype) for p, off in zip(params, offsets)]
         self._range = VmmRange.create(self.nbytes, device) if fixed_addresses else None
-        self._flat: torch.Tensor | None = None
+        self._flat: torch.Tensor | None = None  # None while the parameters keep their own storage
         self._host: torch.Tensor | None = None  # the pinned copy, allocated once
         self.resident = True
-        flat = self._range.tensor if self._range is not None else torch.empty(self.nbytes, dtype=torch.uint8, device=device)
-        with torch.no_grad():
-            for slot in self._slots:
-                view = self._view(flat, slot)
-                view.copy_(slot.param.data)
-                slot.param.data = view
-        self._flat = flat
-        if device.type == "cuda":
+        if self._range is not None:
+            flat = self._range.tensor
+            with torch.no_grad():
+                for slot in self._slots:
+                    view = self._view(flat, slot)
+                    view.copy_(slot.param.data)
+                    slot.param.data = view
+            self._flat = flat
             torch.cuda.synchronize(device)
             torch.cuda.empty_cache()  # the parameters' old storage
 
@@ -83,10 +85,13 @@ class WeightStore:
         """Level 1: one copy into the reused host buffer, then the device memory goes back."""
         if not self.resident:
             return
-        assert self._flat is not None
         if self._host is None:
             self._host = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
-        self._host.copy_(self._flat, non_blocking=True)
+        if self._flat is not None:
+            self._host.copy_(self._flat, non_blocking=True)
+        else:  # the first sleep of parameters that still have their own storage
+            for slot in self._slots:
+                self._view(self._host, slot).copy_(slot.param.data, non_blocking=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._release()
