@@ -16,7 +16,7 @@ torch's caching allocator) carries over between them:
    first is up, then both generating at once (256 × 256 → 128 tokens each); the device's used
    memory is polled with nvidia-smi throughout. Passes when both finish every request (no OOM).
 
-``all`` runs the four and writes ``memory-<shape>.json`` with the command, commit and date
+``all`` runs the four (``--stages`` picks others) and writes ``memory-<shape>.json`` with the command, commit and date
 (``TIDAL_COMMIT``, ``TIDAL_BENCH_DATE``).
 """
 
@@ -216,11 +216,12 @@ def run_all(args: argparse.Namespace) -> None:
         "commit": _git_commit(), "date": os.environ.get("TIDAL_BENCH_DATE") or time.strftime("%Y-%m-%d"),
         "shape": args.shape, "max_model_len": 4096, "max_num_seqs": 256, "dtype": "bfloat16",
     }
-    path = out / f"memory-{args.shape}.json"
+    path = out / (args.result_name or f"memory-{args.shape}.json")
     cache = args.cache_dir or str(Path(args.models) / "cache")
-    for stage in ("write", "engine", "construct", "pair"):
-        print(f"=== {stage} {time.strftime('%T')}", flush=True)
-        stage_json = Path(args.models) / f"{stage}.json"
+    for i, stage in enumerate(args.stages.split(",")):
+        key = stage if stage not in result else f"{stage}_{i}"
+        print(f"=== {key} {time.strftime('%T')}", flush=True)
+        stage_json = Path(args.models) / f"{key}.json"
         stage_json.unlink(missing_ok=True)
         cmd = [sys.executable, __file__, stage, "--shape", args.shape, "--models", args.models, "--out", args.out,
                "--json", str(stage_json), "--cache-dir", cache]
@@ -229,10 +230,10 @@ def run_all(args: argparse.Namespace) -> None:
             rc: int | str = subprocess.run(cmd, timeout=args.stage_timeout).returncode
         except subprocess.TimeoutExpired:
             rc = f"timed out after {args.stage_timeout} s"
-        result[stage] = json.loads(stage_json.read_text()) if stage_json.exists() else {"error": f"exit {rc}"}
-        result[stage]["stage_wall_s"] = time.perf_counter() - t
+        result[key] = json.loads(stage_json.read_text()) if stage_json.exists() else {"error": f"exit {rc}"}
+        result[key]["stage_wall_s"] = time.perf_counter() - t
         path.write_text(json.dumps(result, indent=1, default=str))
-        print(json.dumps({stage: result[stage]}, default=str)[:3000], flush=True)
+        print(json.dumps({key: result[key]}, default=str)[:3000], flush=True)
     print(f"wrote {path}")
 
 
@@ -249,6 +250,9 @@ def main() -> None:
     parser.add_argument("--go", default=None)
     parser.add_argument("--seed", type=int, default=10)
     parser.add_argument("--stage-timeout", type=int, default=240)
+    parser.add_argument("--stages", default="write,engine,construct,pair",
+                        help="(all) the stages in order; a repeated one is recorded as <stage>_<position>")
+    parser.add_argument("--result-name", default=None, help="(all) the result file's name (default memory-<shape>.json)")
     args = parser.parse_args()
     args.cache_dir = args.cache_dir or None
     if args.stage == "all":
