@@ -160,6 +160,8 @@ def test_schema_rejects_what_it_should() -> None:
         {"model": {"uri": "bundled://smollm2-135m"}, "autoscaling": {"maxReplicas": 2}},  # no target
         {"model": {"uri": "bundled://smollm2-135m"}, "sleep": {"level": 3}},
         {"model": {"uri": "bundled://smollm2-135m"}, "rollout": {"maxSurge": -1}},
+        {"model": {"uri": "bundled://smollm2-135m"}, "engine": {"kvOffload": {}}},  # no size
+        {"model": {"uri": "bundled://smollm2-135m"}, "engine": {"kvOffload": {"size": "much"}}},
         {"model": {}},
     ]
     for spec in bad_specs:

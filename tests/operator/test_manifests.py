@@ -52,6 +52,8 @@ SPECS: dict[str, dict[str, Any]] = {
                             "nodeSelectorTerms": [{"matchExpressions": [
                                 {"key": "zone", "operator": "In", "values": ["a"]}]}]}}},
                         "priorityClassName": "high", "serviceAccountName": "engine"}},
+    "kv-offload": {"model": {"uri": "pvc://models/qwen3/8b"},
+                   "engine": {"resources": {"gpu": 1, "memory": "24Gi"}, "kvOffload": {"size": "16Gi"}}},
     "pipeline": {"model": {"uri": "hf://meta-llama/Llama-3.1-70B"}, "engine": {"resources": {"gpu": 8}},
                  "parallelism": {"tensor": 4, "pipeline": 2}, "quantization": {"weights": "awq"}},
     "platform": {"model": {"uri": "pvc://models/qwen3"},
@@ -123,6 +125,17 @@ def test_args_quantization_and_parallelism() -> None:
     assert flag(argv, "--quantization") == "fp8" and flag(argv, "--kv-cache-dtype") == "fp8"
     assert flag(argv, "--tensor-parallel-size") == "2" and flag(argv, "--gpu-memory-utilization") == "0.85"
     assert flag(engine_args(SPECS["file"], "x"), "serve") == "/opt/models/llama"
+
+
+def test_kv_offload_sets_the_flags_and_grows_the_pod_memory() -> None:
+    argv = engine_args(SPECS["kv-offload"], "qwen")
+    assert flag(argv, "--kv-offloading-size") == "16" and flag(argv, "--kv-offloading-backend") == "native"
+    resources = container(pod_manifest(llm(SPECS["kv-offload"]), 0, CONFIG))["resources"]
+    assert resources["requests"]["memory"] == resources["limits"]["memory"] == str(40 * 2**30)  # 24Gi + 16Gi
+    half = {**SPECS["kv-offload"], "engine": {"resources": {"gpu": 1}, "kvOffload": {"size": "512Mi"}}}
+    assert flag(engine_args(half, "qwen"), "--kv-offloading-size") == "0.5"
+    assert "--kv-offloading-size" not in engine_args(SPECS["file"], "qwen")
+    assert container(pod_manifest(llm(SPECS["file"]), 0, CONFIG))["resources"]["limits"]["memory"] == "8Gi"
 
 
 def test_pod_basics() -> None:

@@ -209,6 +209,14 @@ def test_bad_quantities() -> None:
     assert p.field == "spec.engine.resources.memory" and p.reason == "InvalidQuantity"
 
 
+def test_kv_offload_needs_a_positive_size_and_one_rank() -> None:
+    p = only({**BASE, "engine": {"kvOffload": {"size": "0"}}})
+    assert p.field == "spec.engine.kvOffload.size" and p.reason == "InvalidQuantity"
+    p = only({**BASE, "engine": {"resources": {"gpu": 2}, "kvOffload": {"size": "8Gi"}}, "parallelism": {"tensor": 2}})
+    assert p.field == "spec.engine.kvOffload" and p.reason == "UnsupportedKvOffload"
+    assert problems({**BASE, "engine": {"kvOffload": {"size": "8Gi"}}}) == []
+
+
 def test_unknown_field_is_reported() -> None:
     p = only({"model": {"uri": "bundled://smollm2-135m", "maxmodelLen": 10}})
     assert p.field == "spec.model.maxmodelLen" and p.reason == "UnknownField"

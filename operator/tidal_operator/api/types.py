@@ -94,6 +94,13 @@ class CacheSpec(_Model):
     size_limit: Quantity | None = None  # emptyDir only
 
 
+class KvOffloadSpec(_Model):
+    """A host-memory tier for KV blocks evicted from the device (docs/kv-offload.md): the
+    engine's --kv-offloading-size; the Pod's memory request and limit grow by ``size``."""
+
+    size: Quantity  # for example 16Gi
+
+
 class EngineSpec(_Model):
     image: str | None = None  # default: OperatorConfig.default_engine_image
     image_pull_policy: PullPolicy = "IfNotPresent"
@@ -107,6 +114,7 @@ class EngineSpec(_Model):
     kv_cache_memory: Quantity | None = None
     startup_timeout_seconds: int = Field(default=DEFAULT_STARTUP_TIMEOUT_SECONDS, ge=10)
     cache: CacheSpec = Field(default_factory=CacheSpec)
+    kv_offload: KvOffloadSpec | None = None  # absent: no host tier
 
 
 class ParallelismSpec(_Model):

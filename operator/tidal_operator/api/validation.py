@@ -163,6 +163,11 @@ def _check_parallelism(spec: LLMServiceSpec, config: OperatorConfig) -> list[Val
             "spec.parallelism",
             f"model.task {spec.model.task} (a pooling model) runs on one device: tensor x pipeline must be 1",
             "UnsupportedParallelism")]
+    if world > 1 and spec.engine.kv_offload is not None:
+        return [ValidationProblem(
+            "spec.engine.kvOffload",
+            "KV offload to host memory runs with one engine rank for now: tensor x pipeline must be 1",
+            "UnsupportedKvOffload")]
     if gpu > config.max_gpus_per_node:
         return [ValidationProblem(
             "spec.parallelism",
@@ -177,7 +182,8 @@ def _check_resources(spec: LLMServiceSpec) -> list[ValidationProblem]:
     fields = {"spec.engine.resources.cpu": spec.engine.resources.cpu,
               "spec.engine.resources.memory": spec.engine.resources.memory,
               "spec.engine.kvCacheMemory": spec.engine.kv_cache_memory,
-              "spec.engine.cache.sizeLimit": spec.engine.cache.size_limit}
+              "spec.engine.cache.sizeLimit": spec.engine.cache.size_limit,
+              "spec.engine.kvOffload.size": spec.engine.kv_offload.size if spec.engine.kv_offload else None}
     for path, value in fields.items():
         if value is None:
             continue

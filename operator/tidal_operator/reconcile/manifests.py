@@ -130,6 +130,9 @@ def engine_args(spec: LLMServiceSpec | Mapping[str, Any], name: str, config: Ope
         argv += ["--gpu-memory-utilization", _number(e.gpu_memory_utilization)]
     if e.kv_cache_memory is not None:
         argv += ["--kv-cache-memory-bytes", str(int(parse_quantity(e.kv_cache_memory)))]
+    if e.kv_offload is not None:  # the engine takes GiB (vLLM's flag)
+        argv += ["--kv-offloading-size", _number(float(parse_quantity(e.kv_offload.size)) / 2**30),
+                 "--kv-offloading-backend", "native"]
     argv.append("--enable-prefix-caching" if s.features.prefix_caching else "--no-enable-prefix-caching")
     argv.append("--enable-chunked-prefill" if s.features.chunked_prefill else "--no-enable-chunked-prefill")
     if s.quantization.weights != "none":
@@ -246,10 +249,13 @@ def _env(spec: LLMServiceSpec, src: ModelSource) -> list[dict[str, Any]]:
 
 def _resources(spec: LLMServiceSpec) -> dict[str, Any]:
     r = spec.engine.resources
-    requests: dict[str, Any] = {"cpu": str(r.cpu), "memory": str(r.memory)}
+    memory = str(r.memory)
+    if spec.engine.kv_offload is not None:  # the host KV pool comes on top of what the engine asked for
+        memory = str(int(parse_quantity(r.memory) + parse_quantity(spec.engine.kv_offload.size)))
+    requests: dict[str, Any] = {"cpu": str(r.cpu), "memory": memory}
     # Memory limit = request: an engine that outgrows it should be OOM-killed and reported,
     # not take the node's memory. No CPU limit: throttling only adds latency.
-    limits: dict[str, Any] = {"memory": str(r.memory)}
+    limits: dict[str, Any] = {"memory": memory}
     if spec.gpu_count:
         limits[r.gpu_resource_name] = str(spec.gpu_count)
         requests[r.gpu_resource_name] = str(spec.gpu_count)
