@@ -129,6 +129,7 @@ def stage_construct(args: argparse.Namespace) -> dict[str, Any]:
     runner = llm.engine.runner
     return {"construct_s": construct_s, "kv_blocks": runner.num_blocks,
             "startup_seconds": getattr(runner, "startup_seconds", None),
+            "engine_core_seconds": getattr(llm.engine.core, "startup_seconds", None),
             "graph_capture_s": runner.graphs.capture_seconds if runner.graphs else None,
             "mixed_graph_capture_s": runner.mixed_graphs.capture_seconds if runner.mixed_graphs else None}
 

@@ -131,7 +131,9 @@ class EngineCore:
         self.vocab_size = arch.vocab_size
         self.dtype = resolve_dtype(arch.torch_dtype, config.dtype, self.device)
         # Grammars need the tokenizer; text is the caller's.
+        started = time.perf_counter()
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.model, config.tokenizer)
+        self.startup_seconds = {"tokenizer": time.perf_counter() - started}
         self.model_name = config.served_model_name or config.model
         self.max_model_len = config.max_model_len or arch.max_position_embeddings
         if self.max_model_len > arch.max_position_embeddings:
@@ -144,7 +146,9 @@ class EngineCore:
             config = dataclasses.replace(config, max_num_batched_tokens=default_max_num_batched_tokens(
                 self.device.type == "cuda", config.enable_chunked_prefill, self.max_model_len))
         self.config = config
+        started = time.perf_counter()
         self.executor = executor or build_executor(config, self.source, self.device, self.dtype)
+        self.startup_seconds["executor"] = time.perf_counter() - started  # the workers' start-up
         self.eos_token_ids = eos_ids(arch.eos_token_id, self.tokenizer)
         self.kv_cache_manager = KVCacheManager(
             num_blocks=self.executor.num_kv_blocks,

@@ -118,8 +118,9 @@ class ModelRunner:
         self.cuda_graph_sizes = normalize_capture_sizes(config.cuda_graph_sizes, config.max_num_seqs)
         # What the engine may use of the device (gpu_memory_utilization, runner/memory_budget.py):
         # free memory is read before anything of ours is on the device.
-        self._free_before_load = self._check_device_memory()
         clock = StartupClock(device)
+        self._free_before_load = self._check_device_memory()
+        clock.mark("device_init")  # the CUDA context, when this is the process's first use of the device
         self.model = load_model(source, dtype, device, getattr(config, "load_format", "auto"))
         clock.mark("load_weights")
         self.backend = choose_attention_backend(device)
