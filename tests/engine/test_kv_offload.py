@@ -218,3 +218,29 @@ def test_cuda_streams_serve_evicted_prefixes_exactly(model_dir: Path, async_sche
     assert tokens(llm, [prompt(s) for s in seeds]) == expected  # and all at once
     stats = llm.engine.get_stats()
     assert stats.external_prefix_cache_hits >= 3 * 96 and stats.kv_offload_load_seconds > 0
+
+
+def test_host_tier_survives_sleep_level_1_and_is_cleared_by_level_2(model_dir: Path,
+                                                                      reference: dict[int, list[int]]) -> None:
+    llm = make_llm(model_dir, enable_sleep_mode=True)
+    engine = llm.engine
+    assert tokens(llm, [prompt(0)]) == [reference[0]]
+    engine.sleep(1)  # the device cache goes; the host pool and its blocks stay
+    engine.wake_up()
+    before = engine.get_stats()
+    assert tokens(llm, [prompt(0)]) == [reference[0]]
+    after = engine.get_stats()
+    assert after.external_prefix_cache_hits - before.external_prefix_cache_hits == 96
+    engine.sleep(2)  # the weights are reloaded on wake: host KV may no longer match them
+    engine.wake_up()
+    assert tokens(llm, [prompt(0)]) == [reference[0]]
+    assert engine.get_stats().external_prefix_cache_hits == after.external_prefix_cache_hits
+
+
+def test_fp8_kv_cache_moves_through_the_host_tier_unchanged(model_dir: Path) -> None:
+    plain = make_llm(model_dir, host_blocks=None, device_blocks=64, kv_cache_dtype="fp8")
+    llm = make_llm(model_dir, kv_cache_dtype="fp8")  # half the bytes per block: the pool holds twice as many
+    seeds = [0, 1, 2, 3, 0]
+    expected = tokens(plain, [prompt(s) for s in seeds])
+    assert [tokens(llm, [prompt(s)])[0] for s in seeds] == expected
+    assert llm.engine.get_stats().external_prefix_cache_hits == 96
