@@ -6,7 +6,8 @@ Usage (on the GPU machine, from the repository root; docs/kv-offload.md reads th
         --shape qwen3-8b --host-gib 16 --out out/kv-offload-qwen3-8b.json
 
 Two engines on one GPU, random weights of the real shape (``--load-format dummy``), bf16,
-decode CUDA graphs (sizes 1..128), no mixed-step graphs (shorter start-up, same for both):
+decode CUDA graphs (sizes 1..128), mixed-step graphs only with --mixed-graphs (the engine's
+default; off, start-up is shorter but short prefill steps run eagerly), the same for both:
 ``on`` with ``--kv-offloading-size``, ``off`` without; both have the same device KV pool.
 A smaller device pool is made by taking blocks out of the pool (``limit_device_blocks``:
 they are held, as a request would hold them), so one engine serves every pool size.
@@ -62,11 +63,11 @@ def config_folder(shape: str, root: Path) -> Path:
     return folder
 
 
-def make_llm(folder: Path, num_blocks: int, host_gib: float | None, device: str) -> LLM:
+def make_llm(folder: Path, num_blocks: int, host_gib: float | None, device: str, mixed_graphs: bool = False) -> LLM:
     options: dict[str, Any] = dict(dtype="bfloat16", device=device, max_model_len=8192, load_format="dummy",
                                    skip_tokenizer_init=True, num_gpu_blocks_override=num_blocks,
                                    max_num_seqs=128, cuda_graph_sizes=[1, 2, 4, 8, 16, 32, 64, 128],
-                                   mixed_cuda_graphs=False)  # both engines alike; shorter start-up
+                                   mixed_cuda_graphs=mixed_graphs)  # both engines alike; off: shorter start-up
     if host_gib:
         options["kv_offloading_size"] = host_gib
     return LLM(str(folder), **options)
@@ -205,6 +206,8 @@ def main() -> None:
     ap.add_argument("--users", type=int, default=32)
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--history", type=int, default=2048)
+    ap.add_argument("--mixed-graphs", action="store_true",
+                    help="capture mixed-step CUDA graphs as the engine does by default (the 2026-12-01 run had them off)")
     ap.add_argument("--skip", default="")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip sections that start after this many seconds")
     ap.add_argument("--models", default="/tmp/tidal-bench-models")
@@ -246,10 +249,10 @@ def main() -> None:
     folder = config_folder(args.shape, Path(args.models))
     vocab = SHAPES[args.shape]["vocab_size"]
     t0 = time.perf_counter()
-    off = make_llm(folder, args.device_blocks, None, device)
+    off = make_llm(folder, args.device_blocks, None, device, args.mixed_graphs)
     results["startup_off_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    on = make_llm(folder, args.device_blocks, args.host_gib, device)
+    on = make_llm(folder, args.device_blocks, args.host_gib, device, args.mixed_graphs)
     results["startup_on_s"] = time.perf_counter() - t0
     results["host_pool"] = on.engine.core.executor.collective_rpc("kv_connector_info")[0]
     save()

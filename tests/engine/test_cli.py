@@ -59,6 +59,10 @@ def test_help_groups_flags(capsys: pytest.CaptureFixture[str]) -> None:
         (["serve", "m", "--enable-lora", "--lora-modules", "sql"], "expected name=path"),
         (["serve", "m", "--enable-lora", "--lora-modules", "a=/x", "a=/y"], "names a more than once"),
         (["serve", "m", "--enable-lora", "--max-loras", "4", "--max-cpu-loras", "2"], "must be >= max_loras"),
+        (["serve", "m", "--kv-offloading-size", "0"], "kv_offloading_size must be > 0 GiB"),
+        (["serve", "m", "--kv-offloading-size", "4", "--no-enable-prefix-caching"], "KV offloading needs prefix caching"),
+        (["serve", "m", "--kv-offloading-size", "4", "-tp", "2"], "KV offloading runs with one worker"),
+        (["serve", "m", "--kv-offloading-backend", "lmcache"], "argument --kv-offloading-backend: invalid choice"),
         (["serve"], "required: model"),
         (["generate", "--model", "m"], "one of the arguments --prompt --chat is required"),
         (["launch"], "invalid choice"),
@@ -117,6 +121,14 @@ def test_serve_maps_flags_to_config_and_settings(monkeypatch: pytest.MonkeyPatch
     assert settings.allowed_origins == ["https://a.example"]
     assert not settings.protect_metrics and not settings.log_requests
     assert settings.max_request_body_bytes == 10**6 and settings.shutdown_timeout_s == 5
+
+
+def test_kv_offloading_flags_reach_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    captured: dict[str, Any] = {}
+    monkeypatch.setattr("tidal_engine.server.launcher.serve",
+                        lambda config, settings, api_server_count: captured.update(config=config) or 0)
+    assert run_main(["serve", "m", "--kv-offloading-size", "2.5", "--kv-offloading-backend", "native"]) == 0
+    assert captured["config"].kv_offloading_size == 2.5 and captured["config"].kv_offloading_backend == "native"
 
 
 def test_api_key_flag_beats_env_and_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
