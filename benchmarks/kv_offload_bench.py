@@ -85,7 +85,7 @@ def limit_device_blocks(llm: LLM, usable: int) -> Callable[[], None]:
 def settle(llm: LLM) -> None:
     core = llm.engine.core
     core.settle()
-    core._drain_transfers()
+    core.finish_kv_transfers()
 
 
 def prompts(rng: random.Random, n: int, length: int, vocab: int) -> list[list[int]]:

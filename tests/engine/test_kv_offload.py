@@ -117,7 +117,7 @@ def test_concurrent_loads_preemption_and_aborts(model_dir: Path, reference: dict
         engine.abort_request(f"abort-{s}")
     assert tokens(llm, [prompt(5)]) == [reference[5]]
     engine.core.settle()
-    engine.core._drain_transfers()
+    engine.core.finish_kv_transfers()
     assert engine.kv_cache_manager.num_free_blocks == 8
 
 
@@ -139,7 +139,7 @@ def test_full_host_pool_evicts_least_recently_used(model_dir: Path, reference: d
     for seed in (0, 1, 2):  # 0 is the least recently used when 2 arrives
         assert tokens(llm, [prompt(seed)]) == [reference[seed]]
     llm.engine.core.settle()
-    llm.engine.core._drain_transfers()
+    llm.engine.core.finish_kv_transfers()
     llm.engine.core.kv_cache_manager.reset_prefix_cache()
     before = llm.engine.get_stats()
     assert tokens(llm, [prompt(0)]) == [reference[0]]  # gone from host: recomputed

@@ -414,8 +414,12 @@ class EngineCore:
         if result.kv_transfer is not None:
             self.scheduler.update_from_kv_transfer(result.kv_transfer)
 
-    def _drain_transfers(self) -> None:
-        """Run transfer-only steps until the KV connector has nothing queued or in flight."""
+    def finish_kv_transfers(self) -> None:
+        """Run transfer-only steps until the KV connector has nothing queued or in flight (the
+        write-through saves of the last requests, before a sleep or a measurement). Only with no
+        request left: a step scheduled here would drop their tokens."""
+        if self.has_unfinished_requests():
+            raise RuntimeError("finish_kv_transfers needs every request finished or aborted first")
         while self.scheduler.has_pending_transfers():
             step = self._launch(self.scheduler.schedule())
             if step is not None:
@@ -624,7 +628,7 @@ class EngineCore:
             if self._sleep_level:
                 return
             self.settle()  # a last step computed for finished requests may still run
-            self._drain_transfers()  # saves still reading the device cache finish first
+            self.finish_kv_transfers()  # saves still reading the device cache finish first
             self.kv_cache_manager.reset_prefix_cache()  # its blocks are about to vanish
             if level == 2 and self.kv_connector is not None:
                 self.kv_connector.reset()  # the weights are reloaded: host KV may no longer match them

@@ -112,7 +112,10 @@ class OffloadConnectorWorker(KVConnectorWorker):
             blocks = t.block_ids[a : a + self.chunk_blocks]
             slots = t.remote[a : a + self.chunk_blocks]
             n = len(blocks)
-            index = torch.tensor(blocks, dtype=torch.long).to(self.device, non_blocking=True)
+            index = torch.tensor(blocks, dtype=torch.long)
+            if self.is_cuda:  # pinned, so the upload is asynchronous and the host never waits for the stream
+                index = index.pin_memory()
+            index = index.to(self.device, non_blocking=True)
             if is_load:
                 for lo, hi, s0 in _runs(slots):  # host slots → staging, one copy per run
                     stage[lo:hi].copy_(self.host[s0 : s0 + hi - lo], non_blocking=True)
