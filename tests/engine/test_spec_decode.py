@@ -1,0 +1,151 @@
+"""Speculative decoding pieces: the typed --speculative-config, the n-gram proposer, and the
+exact rejection sampler (greedy = argmax chain; sampled = the target distribution, chi-square)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tidal_engine.spec_decode import NgramProposer, SpeculativeConfig, rejection_sample
+
+# chi-square critical values at p = 0.001 (df = V - 1); the seeds are fixed, so no flakes.
+CHI2_999 = {5: 20.515}
+
+
+# ---- config ------------------------------------------------------------------------------
+def test_ngram_config_with_vllm_keys() -> None:
+    cfg = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 4, '
+                                  '"prompt_lookup_min": 2, "prompt_lookup_max": 5}')
+    assert (cfg.method, cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max) == ("ngram", 4, 2, 5)
+    only_max = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4})
+    assert (only_max.prompt_lookup_min, only_max.prompt_lookup_max) == (4, 4)
+
+
+def test_draft_model_config() -> None:
+    cfg = SpeculativeConfig.parse('{"model": "smollm2-135m", "num_speculative_tokens": 3}')
+    assert (cfg.method, cfg.model, cfg.num_speculative_tokens) == ("draft_model", "smollm2-135m", 3)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{not json", "not valid JSON"),
+    ("[1]", "JSON object"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "bogus": 1}', "unknown key"),
+    ('{"method": "eagle9", "num_speculative_tokens": 2}', "method must be"),
+    ('{"method": "ngram"}', "needs num_speculative_tokens"),
+    ('{"method": "ngram", "num_speculative_tokens": 0}', ">= 1"),
+    ('{"method": "ngram", "num_speculative_tokens": "4"}', "integer"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2}', "<="),
+    ('{"method": "draft_model", "num_speculative_tokens": 2}', "needs \"model\""),
+])
+def test_bad_configs_are_refused_clearly(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SpeculativeConfig.parse(text)
+
+
+# ---- n-gram proposer ---------------------------------------------------------------------
+def naive_ngram(tokens: list[int], k: int, lo: int, hi: int, cap: int) -> list[int]:
+    """One row, plainly: the longest suffix n-gram found earlier, its latest occurrence."""
+    for n in range(hi, lo - 1, -1):
+        if len(tokens) <= n:
+            continue
+        suffix = tokens[-n:]
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start : start + n] == suffix:
+                return tokens[start + n : start + n + min(k, cap)]
+    return []
+
+
+def test_ngram_proposes_the_continuation_of_the_last_match() -> None:
+    proposer = NgramProposer(3, 1, 3)
+    drafts = proposer.propose([np.array([5, 6, 7, 8, 9, 1, 5, 6, 7]), np.array([1, 2, 3]), np.array([4, 4])])
+    assert drafts[0].tolist() == [8, 9, 1]  # "5 6 7" seen before, followed by 8 9 1
+    assert drafts[1].tolist() == []  # nothing repeats
+    assert drafts[2].tolist() == [4]  # "4" followed by 4 (only one token follows it)
+
+
+def test_ngram_batch_equals_rows_one_by_one() -> None:
+    rng = np.random.default_rng(0)
+    rows = [rng.integers(0, 4, size=int(rng.integers(1, 40))) for _ in range(64)]
+    caps = rng.integers(0, 6, size=64).tolist()
+    for k, lo, hi in [(4, 1, 3), (2, 2, 2), (5, 1, 1)]:
+        got = NgramProposer(k, lo, hi).propose(rows, caps)
+        want = [naive_ngram(r.tolist(), k, lo, hi, c) for r, c in zip(rows, caps)]
+        assert [g.tolist() for g in got] == want
+
+
+# ---- rejection sampler -------------------------------------------------------------------
+def test_greedy_rows_emit_the_argmax_chain() -> None:
+    gen = torch.Generator().manual_seed(0)
+    rows, k, vocab = 200, 4, 7
+    logits = torch.randn(rows, k + 1, vocab, generator=gen)
+    argmax = logits.argmax(dim=2)
+    # Drafts: the argmax with random corruption, so every acceptance length occurs.
+    drafts = torch.where(torch.rand(rows, k, generator=gen) < 0.8, argmax[:, :k], torch.randint(0, vocab, (rows, k), generator=gen))
+    num_drafts = torch.randint(0, k + 1, (rows,), generator=gen)
+    tokens, emitted = rejection_sample(logits.softmax(-1), drafts, num_drafts, torch.ones(rows, dtype=torch.bool),
+                                       generator=gen)
+    for r in range(rows):
+        expected = []
+        for j in range(int(num_drafts[r]) + 1):  # what decoding without speculation emits
+            expected.append(int(argmax[r, j]))
+            if j == int(num_drafts[r]) or int(drafts[r, j]) != expected[-1]:
+                break
+        assert tokens[r, : int(emitted[r])].tolist() == expected
+        assert (tokens[r, int(emitted[r]):] == -1).all()
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+P = torch.tensor([[0.40, 0.25, 0.15, 0.10, 0.06, 0.04],
+                  [0.05, 0.10, 0.50, 0.05, 0.20, 0.10],
+                  [0.30, 0.05, 0.05, 0.20, 0.20, 0.20]])
+DRAFTS = {
+    "uniform": torch.full((2, 6), 1 / 6),
+    "skewed": torch.tensor([[0.05, 0.05, 0.05, 0.05, 0.30, 0.50], [0.60, 0.10, 0.05, 0.05, 0.10, 0.10]]),
+    "equal_to_target": P[:2].clone(),
+    "one_hot_likely": None,  # n-gram style: deterministic drafts
+    "one_hot_unlikely": None,
+}
+
+
+@pytest.mark.parametrize("name", list(DRAFTS))
+def test_sampled_rows_follow_the_target_distribution(name: str) -> None:
+    gen = torch.Generator().manual_seed(1234)
+    rows, k, vocab = 30000, 2, 6
+    q = DRAFTS[name]
+    if q is None:
+        fixed = torch.tensor([0, 2]) if name == "one_hot_likely" else torch.tensor([5, 3])
+        drafts = fixed.expand(rows, k).clone()
+        draft_probs = None
+    else:
+        drafts = torch.stack([torch.multinomial(q[j], rows, replacement=True, generator=gen) for j in range(k)], 1)
+        draft_probs = q.expand(rows, k, vocab)
+    tokens, emitted = rejection_sample(P.expand(rows, k + 1, vocab), drafts, torch.full((rows,), k),
+                                       torch.zeros(rows, dtype=torch.bool), draft_probs, generator=gen)
+    for pos in range(k + 1):
+        present = emitted > pos
+        counts = torch.bincount(tokens[present, pos], minlength=vocab).double()
+        if counts.sum() < 500:  # unlikely one-hot drafts rarely reach the bonus; too few to test
+            assert name == "one_hot_unlikely" and pos == k
+            continue
+        assert chi_square(counts, P[pos].double()) < CHI2_999[vocab - 1], (name, pos, counts)
+    if draft_probs is None:  # one-hot drafts are accepted with probability p(d)
+        rate = float((emitted > 1).double().mean())
+        assert abs(rate - float(P[0, drafts[0, 0]])) < 0.01
+
+
+def test_mixed_greedy_and_sampled_rows_in_one_batch() -> None:
+    gen = torch.Generator().manual_seed(7)
+    rows, k, vocab = 20000, 2, 6
+    greedy = torch.arange(rows) % 2 == 0
+    drafts = torch.tensor([0, 4]).expand(rows, k).clone()  # argmax of P[0], then not P[1]'s
+    tokens, emitted = rejection_sample(P.expand(rows, k + 1, vocab), drafts, torch.full((rows,), k), greedy,
+                                       generator=gen)
+    assert (tokens[greedy, :2] == torch.tensor([0, 2])).all() and (emitted[greedy] == 2).all()
+    sampled = ~greedy
+    counts = torch.bincount(tokens[sampled, 0], minlength=vocab).double()
+    assert chi_square(counts, P[0].double()) < CHI2_999[vocab - 1]
