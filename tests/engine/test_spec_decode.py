@@ -149,3 +149,33 @@ def test_mixed_greedy_and_sampled_rows_in_one_batch() -> None:
     sampled = ~greedy
     counts = torch.bincount(tokens[sampled, 0], minlength=vocab).double()
     assert chi_square(counts, P[0].double()) < CHI2_999[vocab - 1]
+
+
+# ---- verification shape in the reference attention -----------------------------------------
+def test_reference_attention_verifies_several_queries_per_decode_row() -> None:
+    """A verify row (k+1 query tokens at the end of its context), next to a plain decode and a
+    prefill chunk in one batch, equals attending its queries one position at a time."""
+    from tidal_engine.layers.attention import AttentionMetadata, TorchAttentionBackend
+
+    gen = torch.Generator().manual_seed(3)
+    heads, kv_heads, dim, block, num_blocks = 4, 2, 8, 4, 40
+    cache = torch.randn(2, num_blocks, block, kv_heads, dim, generator=gen)
+    tables = torch.randperm(num_blocks, generator=gen)[:30].view(3, 10)
+    seq_lens, q_lens = [20, 37, 8], [1, 5, 8]  # decode, verify (k = 4), prefill chunk
+    qsl = [0, 1, 6, 14]
+    query = torch.randn(14, heads, dim, generator=gen)
+    backend = TorchAttentionBackend()
+
+    def meta(rows: list[int], lens: list[int], qlens: list[int]) -> AttentionMetadata:
+        starts = [0]
+        for q in qlens:
+            starts.append(starts[-1] + q)
+        return AttentionMetadata(
+            slot_mapping=torch.full((starts[-1],), -1), query_start_loc=torch.tensor(starts),
+            seq_lens=torch.tensor(lens), block_tables=tables[rows], max_query_len=max(qlens),
+            max_seq_len=max(lens), query_start_loc_cpu=starts, seq_lens_cpu=lens)
+
+    mixed = backend.forward(query, cache, meta([0, 1, 2], seq_lens, q_lens), 0.3)
+    for j in range(5):  # the verify row's query j sees the keys up to position 32 + j
+        alone = backend.forward(query[1 + j : 2 + j], cache, meta([1], [33 + j], [1]), 0.3)
+        torch.testing.assert_close(mixed[1 + j], alone[0])
