@@ -165,6 +165,17 @@ class SleepSpec(_Model):
     remove_after_seconds: int | None = Field(default=None, ge=1)
 
 
+class GpuShareSpec(_Model):
+    """Several LLMServices taking turns on one GPU (docs/gpu-sharing.md). Members of a group
+    (same namespace, same `group`) each use `memoryFraction` of the device while awake; the
+    router keeps the awake members' fractions within 1 by putting the least recently used
+    member to sleep before it wakes another."""
+
+    group: str = Field(min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    # Absent: engine.gpuMemoryUtilization, else 1 (the whole device: one member awake at a time).
+    memory_fraction: float | None = Field(default=None, gt=0, le=1)
+
+
 class RoutingSpec(_Model):
     strategy: RoutingStrategy = "leastLoad"
 
@@ -230,6 +241,7 @@ class LLMServiceSpec(_Model):
     autoscaling: AutoscalingSpec | None = None
     sleep: SleepSpec | None = None  # absent: never sleeps (no --enable-sleep-mode)
     routing: RoutingSpec = Field(default_factory=RoutingSpec)
+    gpu_share: GpuShareSpec | None = None  # absent: the engine has its device to itself
     rollout: RolloutSpec = Field(default_factory=RolloutSpec)
     disruption: DisruptionSpec = Field(default_factory=DisruptionSpec)
     auth: AuthSpec | None = None
@@ -250,6 +262,13 @@ class LLMServiceSpec(_Model):
         else 0 (a CPU engine)."""
         requested = self.engine.resources.gpu or 0
         return self.parallelism.world_size if requested > 0 else 0
+
+    @property
+    def gpu_share_fraction(self) -> float | None:
+        """The share of the device this member uses awake; None outside a GPU-share group."""
+        if self.gpu_share is None:
+            return None
+        return self.gpu_share.memory_fraction or self.engine.gpu_memory_utilization or 1.0
 
     def to_body(self) -> dict[str, Any]:
         """The spec as camelCase JSON, without unset optional fields."""

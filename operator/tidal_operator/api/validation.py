@@ -99,6 +99,7 @@ def validate_spec(
     problems += _check_rollout(parsed)
     problems += _check_lora(parsed, config)
     problems += _check_pod_template(parsed)
+    problems += _check_gpu_share(parsed)
     problems += _check_cache(parsed)
     if secret_lookup is not None:
         problems += _check_secrets(parsed, namespace, secret_lookup)
@@ -282,6 +283,32 @@ def check_adapter_uri(uri: str, field: str, config: OperatorConfig) -> Validatio
     if uri.startswith(URI_SCHEMES):
         return check_model_uri(uri, field)
     return None
+
+
+def _check_gpu_share(spec: LLMServiceSpec) -> list[ValidationProblem]:
+    """A member of a GPU-share group is one engine on one device (docs/gpu-sharing.md)."""
+    g = spec.gpu_share
+    if g is None:
+        return []
+    out = []
+    e = spec.engine.gpu_memory_utilization
+    if g.memory_fraction is not None and e is not None and g.memory_fraction != e:
+        out.append(ValidationProblem("spec.gpuShare.memoryFraction",
+                                     f"({g.memory_fraction}) differs from engine.gpuMemoryUtilization ({e}): set one "
+                                     "of them (the member's share of the device)", "InvalidGPUShare"))
+    if spec.autoscaling is not None or (spec.replicas or 0) > 1:
+        out.append(ValidationProblem("spec.gpuShare", "a member of a GPU-share group runs one replica: leave "
+                                     "spec.autoscaling unset and spec.replicas at 0 or 1", "InvalidGPUShare"))
+    if spec.parallelism.world_size > 1:
+        out.append(ValidationProblem("spec.gpuShare", "a member of a GPU-share group runs on one device: tensor x "
+                                     "pipeline must be 1", "InvalidGPUShare"))
+    if (spec.engine.resources.gpu or 0) > 0:
+        # The shared ResourceClaim that puts every member on the same GPU is designed, not built
+        # (docs/gpu-sharing.md): with a GPU each member's Pod would get a GPU of its own.
+        out.append(ValidationProblem("spec.gpuShare", "GPU-share groups run on CPU only in this version: the "
+                                     "shared ResourceClaim that would put every member on one GPU is not built yet "
+                                     "(docs/gpu-sharing.md)", "GPUShareNotSupported"))
+    return out
 
 
 # A qualified extended-resource name: <DNS subdomain>/<name>.

@@ -128,6 +128,8 @@ def engine_args(spec: LLMServiceSpec | Mapping[str, Any], name: str, config: Ope
         argv += ["--max-num-batched-tokens", str(e.max_num_batched_tokens)]
     if e.gpu_memory_utilization is not None:
         argv += ["--gpu-memory-utilization", _number(e.gpu_memory_utilization)]
+    elif s.gpu_share is not None and s.gpu_share.memory_fraction is not None:
+        argv += ["--gpu-memory-utilization", _number(s.gpu_share.memory_fraction)]  # its share of the device
     if e.kv_cache_memory is not None:
         argv += ["--kv-cache-memory-bytes", str(int(parse_quantity(e.kv_cache_memory)))]
     if e.kv_offload is not None:  # the engine takes GiB (vLLM's flag)
@@ -145,7 +147,7 @@ def engine_args(spec: LLMServiceSpec | Mapping[str, Any], name: str, config: Ope
         # other path): the model volumes, the adapters scratch dir and the file:// roots.
         roots = [MODELS_ROOT, ADAPTERS_DIR, *(config.allowed_file_roots if config is not None else ())]
         argv += ["--allowed-lora-roots", *dict.fromkeys(roots)]
-    if s.sleep is not None:
+    if s.sleep is not None or s.gpu_share is not None:  # a GPU-share member sleeps to make room
         argv.append("--enable-sleep-mode")
     return argv + list(e.args)
 
@@ -163,12 +165,12 @@ def pod_affecting_spec(spec: LLMServiceSpec | Mapping[str, Any], config: Operato
     # exclude_defaults: a field that is absent and one set to its default hash the same, and
     # a new defaulted field added in a later operator version doesn't roll every Pod.
     dump = s.model_dump(by_alias=True, exclude_defaults=True, mode="json")
-    out = {k: dump[k] for k in ("model", "engine", "parallelism", "quantization", "features", "auth", "podTemplate")
-           if k in dump}
+    out = {k: dump[k] for k in ("model", "engine", "parallelism", "quantization", "features", "auth", "podTemplate",
+                                    "gpuShare") if k in dump}
     if s.lora is not None:
         lora = s.lora.model_dump(by_alias=True, mode="json", exclude={"adapters"})
         out["lora"] = lora
-    if s.sleep is not None:
+    if s.sleep is not None or s.gpu_share is not None:
         out["sleepMode"] = True  # only --enable-sleep-mode reaches the Pod
     if config is not None and s.engine.image is None:
         out["defaultImage"] = config.default_engine_image  # a new default image rolls Pods

@@ -1,0 +1,116 @@
+"""spec.gpuShare: the typed field, its validation, what it does to the engine's command line,
+and the pure plan of which members to put to sleep so that a requested one can wake."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tidal_operator.api import LLMServiceSpec, validate_spec
+from tidal_operator.reconcile.manifests import engine_args, spec_hash
+from tidal_operator.router.gpu_share import Member, plan_switch
+
+MODEL = {"uri": "bundled://smollm2-135m"}
+
+
+def spec(**extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, **extra}
+
+
+def reasons(raw: dict[str, Any]) -> set[str]:
+    return {p.reason for p in validate_spec(raw, name="a", namespace="ns")}
+
+
+# --- the field and its validation -----------------------------------------------------------
+
+def test_share_defaults_to_engine_utilization_then_the_whole_device() -> None:
+    assert LLMServiceSpec.from_body(spec()).gpu_share_fraction is None
+    assert LLMServiceSpec.from_body(spec(gpuShare={"group": "g"})).gpu_share_fraction == 1.0
+    assert LLMServiceSpec.from_body(spec(gpuShare={"group": "g"},
+                                         engine={"gpuMemoryUtilization": 0.4})).gpu_share_fraction == 0.4
+    assert LLMServiceSpec.from_body(spec(gpuShare={"group": "g", "memoryFraction": 0.3})).gpu_share_fraction == 0.3
+
+
+@pytest.mark.parametrize("bad, reason", [
+    ({"gpuShare": {"group": "Not_A_Label"}}, "InvalidField"),
+    ({"gpuShare": {"group": "g", "memoryFraction": 0}}, "OutOfRange"),
+    ({"gpuShare": {"group": "g", "memoryFraction": 1.5}}, "OutOfRange"),
+    ({"gpuShare": {}}, "MissingField"),
+    ({"gpuShare": {"group": "g", "memoryFraction": 0.5}, "engine": {"gpuMemoryUtilization": 0.6}}, "InvalidGPUShare"),
+    ({"gpuShare": {"group": "g"}, "replicas": 2}, "InvalidGPUShare"),
+    ({"gpuShare": {"group": "g"}, "autoscaling": {"maxReplicas": 1, "target": 1}}, "InvalidGPUShare"),
+    ({"gpuShare": {"group": "g"}, "parallelism": {"tensor": 2}}, "InvalidGPUShare"),
+    ({"gpuShare": {"group": "g"}, "engine": {"resources": {"gpu": 1}}}, "GPUShareNotSupported"),
+])
+def test_bad_gpu_share_specs_are_refused_with_a_reason(bad: dict[str, Any], reason: str) -> None:
+    assert reason in reasons(spec(**bad))
+
+
+def test_a_valid_member_passes() -> None:
+    assert reasons(spec(gpuShare={"group": "pair", "memoryFraction": 0.6}, replicas=1)) == set()
+
+
+# --- the engine -------------------------------------------------------------------------------
+
+def test_a_member_sleeps_and_takes_its_share_of_the_device() -> None:
+    argv = engine_args(LLMServiceSpec.from_body(spec(gpuShare={"group": "g", "memoryFraction": 0.45})), "a")
+    assert "--enable-sleep-mode" in argv
+    assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.45"
+    plain = engine_args(LLMServiceSpec.from_body(spec()), "a")
+    assert "--enable-sleep-mode" not in plain and "--gpu-memory-utilization" not in plain
+
+
+def test_joining_or_changing_a_group_replaces_the_pod() -> None:
+    base = spec()
+    assert spec_hash(base) != spec_hash(spec(gpuShare={"group": "g"}))
+    assert spec_hash(spec(gpuShare={"group": "g"})) != spec_hash(spec(gpuShare={"group": "h"}))
+
+
+# --- the switch plan ----------------------------------------------------------------------------
+
+def test_nothing_sleeps_while_the_group_fits() -> None:
+    members = [Member("a", 0.45, awake=True), Member("b", 0.45, awake=False)]
+    assert plan_switch(members, "b").outcome == "ready"
+    assert plan_switch(members, "b").wake == "b"
+    assert plan_switch(members, "a").wake is None
+
+
+def test_the_least_recently_used_awake_member_sleeps_first() -> None:
+    members = [Member("a", 0.5, awake=True, last_used=10), Member("b", 0.5, awake=True, last_used=5),
+               Member("c", 0.5, awake=False)]
+    plan = plan_switch(members, "c")
+    assert (plan.outcome, plan.sleep, plan.wake) == ("sleep_then_wake", ("b",), "c")
+
+
+def test_as_many_sleep_as_needed_and_no_more() -> None:
+    members = [Member("a", 0.3, awake=True, last_used=1), Member("b", 0.3, awake=True, last_used=2),
+               Member("c", 0.3, awake=True, last_used=3), Member("big", 0.7, awake=False)]
+    assert plan_switch(members, "big").sleep == ("a", "b")
+
+
+def test_two_members_that_each_need_most_of_the_device_take_turns() -> None:
+    a, b = Member("a", 0.6, awake=True, last_used=1), Member("b", 0.6, awake=False)
+    assert plan_switch([a, b], "b").sleep == ("a",)
+    # An awake member over capacity (both started awake): the other one is put to sleep.
+    both = [Member("a", 0.6, awake=True, last_used=2), Member("b", 0.6, awake=True, last_used=1)]
+    assert plan_switch(both, "a") == plan_switch(both, "a")  # deterministic
+    assert plan_switch(both, "a").sleep == ("b",) and plan_switch(both, "a").wake is None
+
+
+def test_a_busy_member_is_not_cut_off_unless_preemption_is_allowed() -> None:
+    members = [Member("a", 0.6, awake=True, last_used=1, busy=True), Member("b", 0.6, awake=False)]
+    assert plan_switch(members, "b").outcome == "wait"
+    assert plan_switch(members, "b", preempt_busy=True).sleep == ("a",)
+
+
+def test_idle_members_go_before_busy_ones_even_if_used_more_recently() -> None:
+    members = [Member("busy", 0.4, awake=True, last_used=1, busy=True), Member("idle", 0.4, awake=True, last_used=9),
+               Member("new", 0.4, awake=False)]
+    assert plan_switch(members, "new").sleep == ("idle",)
+
+
+def test_a_member_larger_than_the_device_is_impossible_and_an_unknown_one_an_error() -> None:
+    assert plan_switch([Member("a", 1.0, awake=True)], "a", capacity=0.5).outcome == "impossible"
+    with pytest.raises(KeyError):
+        plan_switch([Member("a", 0.5, awake=True)], "zzz")
