@@ -36,6 +36,7 @@ class FakeEngine:
     requests: list[dict[str, Any]] = field(default_factory=list)
     auth_headers: list[str | None] = field(default_factory=list)
     wake_calls: int = 0
+    sleep_calls: int = 0
     in_flight: int = 0
     max_in_flight: int = 0
     stream_cancelled: asyncio.Event = field(default_factory=asyncio.Event)
@@ -77,6 +78,15 @@ class FakeEngine:
         @app.get("/is_sleeping")
         async def is_sleeping(request: Request) -> Any:
             return unauthorized(request) or {"is_sleeping": self.sleeping}
+
+        @app.post("/sleep")
+        async def sleep(request: Request) -> Any:
+            denied = unauthorized(request)
+            if denied:
+                return denied
+            self.sleep_calls += 1
+            self.sleeping = True
+            return {"is_sleeping": True}
 
         @app.post("/wake_up")
         async def wake_up(request: Request) -> Any:

@@ -114,3 +114,69 @@ def test_a_member_larger_than_the_device_is_impossible_and_an_unknown_one_an_err
     assert plan_switch([Member("a", 1.0, awake=True)], "a", capacity=0.5).outcome == "impossible"
     with pytest.raises(KeyError):
         plan_switch([Member("a", 0.5, awake=True)], "zzz")
+
+
+# --- the router: a GPU-share group on the request path (fake engines) ---------------------------
+
+def _member(name: str, share: float) -> dict[str, Any]:
+    from router_upstreams import llmservice
+
+    obj = llmservice(name)
+    obj["spec"]["gpuShare"] = {"group": "pair", "memoryFraction": share}
+    return obj
+
+
+def _awake(engines: Any) -> list[str]:
+    return [e.name for e in engines if not e.sleeping]
+
+
+async def test_the_router_sleeps_the_other_member_before_it_wakes_the_requested_one() -> None:
+    import asyncio
+
+    from tidal_operator.router import Registry
+
+    from router_upstreams import FakeEngine, pod, run_router_for_test, serve_engines
+
+    a, b = FakeEngine("a-0"), FakeEngine("b-0")  # both start awake, as Pods do, and don't fit together
+    async with serve_engines(a, b):
+        registry = Registry()
+        for obj in (_member("a", 0.6), _member("b", 0.6)):
+            registry.apply_llmservice_event({"type": "ADDED", "object": obj})
+        registry.apply_pod_event({"type": "ADDED", "object": pod("a-0", "a", a.port)})
+        registry.apply_pod_event({"type": "ADDED", "object": pod("b-0", "b", b.port)})
+        async with run_router_for_test(registry, engine_load_interval_s=0) as router:
+            for model in ["a", "b", "a", "b", "b", "a"]:  # alternating, and a repeat
+                r = await router.client.post("/v1/chat/completions", json={"model": model, "messages": []})
+                assert r.status_code == 200 and r.json()["replica"] == f"{model}-0"
+                assert _awake([a, b]) == [f"{model}-0"]  # the other one was put to sleep first
+            # Concurrent requests for both members: every one answered, one switch at a time.
+            bodies = [{"model": m, "messages": []} for m in ["a", "b"] * 4]
+            answers = await asyncio.gather(*(router.client.post("/v1/chat/completions", json=x) for x in bodies))
+            assert [x.status_code for x in answers] == [200] * 8
+            assert [x.json()["replica"] for x in answers] == [f"{x['model']}-0" for x in bodies]
+            assert len(_awake([a, b])) == 1
+            switcher = router.app.state.switcher
+            # Every switch slept before it woke, and never woke a member while another was awake.
+            assert switcher.switches[0] == (("b",), None)  # the first request only made room
+            assert all(len(slept) == 1 and woken is not None for slept, woken in switcher.switches[1:])
+            assert a.sleep_calls + b.sleep_calls == len(switcher.switches)
+
+
+async def test_members_that_fit_together_both_stay_awake_and_other_models_are_untouched() -> None:
+    from tidal_operator.router import Registry
+
+    from router_upstreams import FakeEngine, llmservice, pod, run_router_for_test, serve_engines
+
+    a, b, c = FakeEngine("a-0"), FakeEngine("b-0"), FakeEngine("c-0")
+    async with serve_engines(a, b, c):
+        registry = Registry()
+        for obj in (_member("a", 0.45), _member("b", 0.45), llmservice("c")):
+            registry.apply_llmservice_event({"type": "ADDED", "object": obj})
+        for name, engine in (("a", a), ("b", b), ("c", c)):
+            registry.apply_pod_event({"type": "ADDED", "object": pod(f"{name}-0", name, engine.port)})
+        async with run_router_for_test(registry, engine_load_interval_s=0) as router:
+            for model in ["a", "b", "c", "a"]:
+                r = await router.client.post("/v1/chat/completions", json={"model": model, "messages": []})
+                assert r.status_code == 200
+            assert _awake([a, b, c]) == ["a-0", "b-0", "c-0"]
+            assert a.sleep_calls == b.sleep_calls == c.sleep_calls == 0

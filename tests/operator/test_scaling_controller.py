@@ -48,9 +48,10 @@ class Cluster:
         self.api = KubeClusterApi(kube)
 
     async def llm(self, name: str, *, port: int, autoscaling: dict[str, Any] | None = None,
-                  sleep: dict[str, Any] | None = None, status: dict[str, Any] | None = None) -> dict[str, Any]:
+                  sleep: dict[str, Any] | None = None, status: dict[str, Any] | None = None,
+                  extra: dict[str, Any] | None = None) -> dict[str, Any]:
         spec: dict[str, Any] = {"model": {"uri": "bundled://smollm2-135m"}, "engine": {"port": port},
-                                "auth": {"apiKeySecretRef": {"name": "engine-key"}}}
+                                "auth": {"apiKeySecretRef": {"name": "engine-key"}}, **(extra or {})}
         if autoscaling is not None:
             spec["autoscaling"] = autoscaling
         if sleep is not None:
@@ -263,6 +264,17 @@ async def test_demand_wakes_a_sleeper_and_scales_from_zero(cluster: Cluster) -> 
         meta = await cluster.pod_meta(pod)
         assert meta["labels"][L.SLEEP_STATE] == L.SLEEP_AWAKE and IDLE_SINCE_ANNOTATION not in meta["annotations"]
         assert any(r == "ReplicaWoken" for r, _ in await cluster.events("m"))
+
+    # A GPU-share member: held demand doesn't make the operator wake it (the router's group
+    # switch does, after making room), so the group never has more awake than fit.
+    await cluster.llm("g", port=port, sleep={"afterIdleSeconds": 10},
+                      extra={"replicas": 1, "gpuShare": {"group": "pair", "memoryFraction": 0.6}})
+    await cluster.pod("g", 0, "127.0.0.3", sleep_state=L.SLEEP_LEVEL_1,
+                      annotations={IDLE_SINCE_ANNOTATION: "2025-06-15T00:00:00.000Z"})
+    engine.calls.clear()
+    async with scaler_for(cluster, "g", Clock(), demand=demand) as scaler:
+        result = await scaler.tick()
+    assert [a.kind for a in result.actions if a.kind == "wake"] == [] and engine.calls == []
 
     # Zero replicas and two held requests: one replica at once.
     await cluster.llm("z", port=port, autoscaling={**AUTOSCALING, "minReplicas": 0,

@@ -20,6 +20,7 @@ from starlette.routing import Route
 from tidal_operator.router.auth import ApiKeyMiddleware, ApiKeys, allowed_namespaces
 from tidal_operator.router.demand_lease import DemandLeasePublisher
 from tidal_operator.router.engine_load import EngineLoadPoller
+from tidal_operator.router.group_switch import GroupSwitcher
 from tidal_operator.router.metrics import RouterMetrics
 from tidal_operator.router.proxy import Proxy, RouterConfig
 from tidal_operator.router.registry import KubernetesWatcher, Registry
@@ -84,6 +85,9 @@ def create_app(registry: Registry, config: RouterConfig, http_client: httpx.Asyn
                   poll_interval_s=config.wake_poll_interval_s)
     demand = DemandBook(metrics, config.max_held_per_model)
     proxy = Proxy(registry, config, http, metrics, waker, demand)
+    # GPU-share groups: the proxy wakes through the switcher, which hands other models to the Waker.
+    switcher = GroupSwitcher(registry, http, waker, proxy.loads, demand)
+    proxy.waker = switcher  # type: ignore[assignment]
     if synced is not None:
         proxy.synced = synced
 
@@ -97,6 +101,7 @@ def create_app(registry: Registry, config: RouterConfig, http_client: httpx.Asyn
             polling.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await polling
+        await switcher.close()
         await waker.close()
         if owns_client:
             await http.aclose()
@@ -106,6 +111,7 @@ def create_app(registry: Registry, config: RouterConfig, http_client: httpx.Asyn
     app.state.proxy = proxy
     app.state.metrics = metrics
     app.state.waker = waker
+    app.state.switcher = switcher
     app.state.demand = demand
     app.state.api_keys = keys
 

@@ -2,8 +2,7 @@
 
 Pure: from the group's state (who is awake, each one's share of the device, when each was
 last used, which ones have requests in flight) and the requested member to a plan. The
-router is meant to run one plan at a time per group (docs/gpu-sharing.md); that wiring is
-not built yet.
+router runs one plan at a time per group (group_switch.py, docs/gpu-sharing.md).
 
 Rules:
 - The awake members' shares must sum to at most `capacity` (1: the whole device) once the

@@ -155,6 +155,7 @@ class LoadTracker:
     outstanding: dict[Key, int] = field(default_factory=dict)
     failed_at: dict[Key, float] = field(default_factory=dict)
     engines: dict[Key, EngineLoad] = field(default_factory=dict)  # the latest /metrics reports
+    last_used: dict[Key, float] = field(default_factory=dict)  # monotonic time of the last request sent
     _counter: int = 0
 
     def report(self, key: Key, running: float, waiting: float, kv_cache_usage: float) -> None:
@@ -176,6 +177,7 @@ class LoadTracker:
         return self._counter
 
     def acquire(self, replica: Replica) -> None:
+        self.last_used[replica.key] = time.monotonic()
         self.outstanding[replica.key] = self.outstanding.get(replica.key, 0) + 1
 
     def release(self, replica: Replica) -> None:

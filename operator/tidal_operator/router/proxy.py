@@ -147,7 +147,7 @@ class Proxy:
         sleeper, and recording demand) while it has none. `namespaces`: the models the
         client's key opens (None: all)."""
         entry = self._lookup(model, namespaces)
-        if entry.routable():
+        if entry.routable() and self.waker.fits(entry):
             return entry
         self._fail_fast(entry)
         if self.draining.is_set():
@@ -163,7 +163,7 @@ class Proxy:
             while True:
                 version = self.registry.version
                 entry = self._lookup(model, namespaces)
-                if entry.routable():
+                if entry.routable() and self.waker.fits(entry):
                     return entry
                 self._fail_fast(entry)
                 if self.draining.is_set():

@@ -89,6 +89,8 @@ class ServiceView:
     failed_adapters: tuple[tuple[str, str], ...] = ()
     uid: str | None = None  # traffic and the engine key go only to Pods this uid controls
     created: str = ""  # creationTimestamp: the earliest claim on a name keeps it
+    gpu_share_group: str | None = None  # spec.gpuShare.group (docs/gpu-sharing.md)
+    gpu_share: float = 1.0  # its share of the device while awake
 
     @property
     def key(self) -> Key:
@@ -109,6 +111,8 @@ class ModelEntry:
     adapter: str | None = None  # set when the request named an adapter, not the base model
     not_servable: str | None = None
     failed_adapters: tuple[tuple[str, str], ...] = ()
+    gpu_share_group: str | None = None
+    gpu_share: float = 1.0
 
     @property
     def model_name(self) -> str:
@@ -186,7 +190,8 @@ class RegistryState:
                           adapters=svc.adapters, routing_strategy=svc.routing_strategy,
                           api_key_secret=svc.api_key_secret,
                           replicas=self.replicas_of(svc.namespace, svc.name, svc.uid),
-                          adapter=adapter, not_servable=svc.not_servable, failed_adapters=svc.failed_adapters)
+                          adapter=adapter, not_servable=svc.not_servable, failed_adapters=svc.failed_adapters,
+                          gpu_share_group=svc.gpu_share_group, gpu_share=svc.gpu_share)
 
     def model_names(self) -> list[str]:
         names: set[str] = set()
@@ -248,10 +253,25 @@ def service_from_object(obj: Mapping[str, Any]) -> ServiceView:
     if ref and ref.get("name"):
         secret = SecretRef(namespace, ref["name"], ref.get("key") or DEFAULT_API_KEY_KEY)
     status = obj.get("status") or {}
+    group, share = _gpu_share(spec)
     return ServiceView(name=name, namespace=namespace, served_name=model.get("servedName") or name,
                        adapters=adapters, routing_strategy=strategy, api_key_secret=secret,
                        not_servable=_not_servable(meta, status), failed_adapters=_failed_adapters(status),
-                       uid=meta.get("uid") or None, created=str(meta.get("creationTimestamp") or ""))
+                       uid=meta.get("uid") or None, created=str(meta.get("creationTimestamp") or ""),
+                       gpu_share_group=group, gpu_share=share)
+
+
+def _gpu_share(spec: Mapping[str, Any]) -> tuple[str | None, float]:
+    """spec.gpuShare read leniently: (group, share of the device), share as the operator
+    derives it (memoryFraction, else engine.gpuMemoryUtilization, else 1)."""
+    share_spec = spec.get("gpuShare")
+    if not isinstance(share_spec, Mapping) or not share_spec.get("group"):
+        return None, 1.0
+    engine = spec.get("engine") if isinstance(spec.get("engine"), Mapping) else {}
+    for value in (share_spec.get("memoryFraction"), engine.get("gpuMemoryUtilization")):
+        if isinstance(value, (int, float)) and 0 < value <= 1:
+            return str(share_spec["group"]), float(value)
+    return str(share_spec["group"]), 1.0
 
 
 def parse_adapters_annotation(value: str | None) -> frozenset[str] | None:

@@ -43,6 +43,9 @@ class WakeLease(Protocol):
     async def confirm_awake(self, replica: Replica) -> None:
         """The engine answered is_sleeping=false."""
 
+    async def confirm_asleep(self, replica: Replica) -> None:
+        """This router put the engine to sleep (a GPU-share switch)."""
+
 
 class LocalWakeLease:
     """A single router (or tolerate duplicates across routers): always send the wake_up."""
@@ -51,6 +54,9 @@ class LocalWakeLease:
         return True
 
     async def confirm_awake(self, replica: Replica) -> None:
+        return None
+
+    async def confirm_asleep(self, replica: Replica) -> None:
         return None
 
 
@@ -104,6 +110,11 @@ class KubernetesWakeLease:
         await self._core.patch_namespaced_pod(replica.pod_name, replica.namespace, patch,
                                               _content_type="application/merge-patch+json")
 
+    async def confirm_asleep(self, replica: Replica) -> None:
+        patch = {"metadata": {"labels": {L.SLEEP_STATE: L.SLEEP_LEVEL_1}}}
+        await self._core.patch_namespaced_pod(replica.pod_name, replica.namespace, patch,
+                                              _content_type="application/merge-patch+json")
+
 
 # --- waking ---------------------------------------------------------------------------------
 
@@ -142,6 +153,14 @@ class Waker:
         task = asyncio.create_task(self._wake(entry), name=f"wake-{entry.namespace}/{entry.llmservice}")
         self._tasks[key] = task
         return task
+
+    def fits(self, entry: ModelEntry) -> bool:
+        """Whether a routable replica may be used now (GroupSwitcher says no for an over-full group)."""
+        return True
+
+    async def wake(self, entry: ModelEntry) -> bool:
+        """Wake one sleeping replica of `entry` now (a GroupSwitcher's step); True once awake."""
+        return await self._wake(entry)
 
     async def close(self) -> None:
         for task in self._tasks.values():

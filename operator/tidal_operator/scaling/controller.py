@@ -337,6 +337,10 @@ class ServiceAutoscaler:
                 busy=self._busy(v.name, m), engine_level=engine_level,
                 woken=self._levels.get(v.name, 0) > 0 and level_now == 0))
         result.actions = plan_idle(views, spec.sleep, now, result.demand, awake_wanted=load, removable=removable)
+        if spec.gpu_share is not None:
+            # A GPU-share member wakes only through the router's group switch, which first puts
+            # others to sleep to make room (docs/gpu-sharing.md); a wake from here could overfill the device.
+            result.actions = [x for x in result.actions if x.kind != "wake"]
         for gone in set(self._activity) - {v.name for _, v in alive}:
             del self._activity[gone]
 
