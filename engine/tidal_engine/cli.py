@@ -91,6 +91,16 @@ def _lora_module(text: str) -> tuple[str, str]:
 DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp16", "fp32")
 
 
+def _speculative_config(text: str) -> dict:
+    from tidal_engine.spec_decode.config import SpeculativeConfig
+
+    try:
+        SpeculativeConfig.parse(text)  # checked here so a bad value is a usage error
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return json.loads(text)
+
+
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Engine flags shared by `serve` and `generate` (EngineConfig's fields)."""
     model = parser.add_argument_group("model")
@@ -137,6 +147,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="schedule the next step while the device runs this one (default: on with CUDA)")
     sched.add_argument("--scheduling-policy", default="fcfs", choices=("fcfs", "priority"),
                        help="admit and preempt by arrival (fcfs) or by each request's priority, lower first")
+    sched.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON",
+                       help='speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+                            '"prompt_lookup_max": 3} (docs/speculative-decoding.md)')
     sched.add_argument("--enable-sleep-mode", action="store_true",
                        help="allow /sleep and /wake_up (free device memory on demand)")
     sched.add_argument("--kv-offloading-size", type=float, default=None,
@@ -324,6 +337,7 @@ def engine_config(parser: argparse.ArgumentParser, args: argparse.Namespace, mod
             lora_modules=dict(args.lora_modules) if args.lora_modules else None,
             allowed_lora_roots=list(args.allowed_lora_roots) if args.allowed_lora_roots else None,
             load_format=args.load_format,
+            speculative_config=args.speculative_config,
             cache_dir=args.cache_dir,
             kv_offloading_size=args.kv_offloading_size,
             kv_offloading_backend=args.kv_offloading_backend,

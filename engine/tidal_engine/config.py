@@ -67,6 +67,8 @@ class EngineConfig:
     convert: str = "auto"
     # "auto": read the checkpoint; "dummy": random weights (vLLM's --load-format dummy, for benchmarks).
     load_format: str = "auto"
+    # vLLM's --speculative-config (docs/speculative-decoding.md): {"method": "ngram", ...}; None: off.
+    speculative_config: dict | None = None
     # Start-up cache (Triton's compiled kernels, the one-row-linear choices): None means
     # $TIDAL_CACHE_DIR or ~/.cache/tidal. The operator mounts one per node.
     cache_dir: str | None = None

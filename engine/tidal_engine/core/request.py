@@ -72,6 +72,7 @@ class Request:
         # Hashes of the full blocks of all_token_ids, extended lazily (see update_block_hashes).
         self.block_hashes: list[BlockHash] = []
         self.extra: dict[str, Any] = {}
+        self.spec_token_ids: list[int] = []  # drafts to verify in the next step (speculative decoding)
         # prompt + outputs kept as one list so all_token_ids is O(1), not a fresh concatenation.
         self._all_token_ids: list[int] = list(self.prompt_token_ids)
         self._hash_block_size: int | None = None

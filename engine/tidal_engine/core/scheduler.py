@@ -112,6 +112,7 @@ class ScheduledChunk:
     num_new_tokens: int
     block_ids: list[int]
     samples: bool
+    draft_token_ids: list[int] = field(default_factory=list)  # the chunk's last tokens are these drafts
 
     @property
     def start(self) -> int:
@@ -248,6 +249,13 @@ class Scheduler:
             num_new = self._num_new_tokens(request, budget)
             if num_new == 0:
                 continue
+            drafts: list[int] = []
+            if request.spec_token_ids and num_new == 1 and request.num_tokens - request.num_computed_tokens == 1:
+                # Drafts ride as extra query tokens of the decode row (clipped to budget and context).
+                room = min(budget, self.config.max_model_len - request.num_computed_tokens) - 1
+                drafts = request.spec_token_ids[: max(0, room)]
+                num_new += len(drafts)
+            request.spec_token_ids = []
             while True:
                 block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
                 if block_ids is not None:
@@ -258,7 +266,9 @@ class Scheduler:
                 # It was the newest itself. Older running requests later in the list (prefills
                 # come after decodes) may still fit, so keep going rather than stop.
                 continue
-            scheduled[request.request_id] = self._chunk(request, num_new, block_ids)
+            chunk = self._chunk(request, num_new - len(drafts), block_ids)
+            chunk.num_new_tokens, chunk.draft_token_ids = num_new, drafts
+            scheduled[request.request_id] = chunk
             budget -= num_new
 
         # Phase 3: admissions. Skipped after a preemption so the victim isn't readmitted at
@@ -361,7 +371,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             insort(self.running, request, key=lambda r: self._order[r.request_id])
 
-    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int] | dict[str, list[int]]) -> list[Request]:
         """Advance each scheduled request by its chunk, append sampled tokens, cache full blocks.
 
         ``sampled`` maps request_id to the token drawn for chunks with ``samples`` set.
@@ -373,11 +383,18 @@ class Scheduler:
             request = chunk.request
             if request.status != RequestStatus.RUNNING or self.requests.get(request.request_id) is not request:
                 continue
-            request.num_computed_tokens += chunk.num_new_tokens
-            if chunk.samples:
-                token_id = sampled.get(request.request_id)
-                if token_id is not None:
+            got = sampled.get(request.request_id) if chunk.samples else None
+            if isinstance(got, list):
+                # Verified drafts: only the accepted ones count as computed; the KV of rejected
+                # ones sits past num_computed_tokens and is overwritten (never hashed or cached).
+                request.num_computed_tokens += chunk.num_new_tokens - len(chunk.draft_token_ids) + len(got) - 1
+                for token_id in got:
                     request.append_output_token(token_id)
+                got_token.append(request)
+            else:
+                request.num_computed_tokens += chunk.num_new_tokens - len(chunk.draft_token_ids)
+                if got is not None:
+                    request.append_output_token(got)
                     got_token.append(request)
             new_full = self.kv_cache_manager.cache_full_blocks(request)
             if new_full and self.connector is not None:

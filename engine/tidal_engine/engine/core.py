@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from tidal_engine.config import EngineConfig
@@ -44,6 +45,8 @@ from tidal_engine.kv_transfer.factory import create_scheduler_connector
 from tidal_engine.lora import AdapterInfo, LoRAAdapter, LoRAError, LoRAManager
 from tidal_engine.models.loader import load_tokenizer, resolve_dtype, resolve_model
 from tidal_engine.sampling_params import SamplingParams
+from tidal_engine.spec_decode.config import SpeculativeConfig
+from tidal_engine.spec_decode.ngram_proposer import NgramProposer
 from tidal_engine.structured import GrammarCompilerCache, GrammarMatcher
 from tidal_engine.structured.reasoning_gate import ReasoningGate, reasoning_ended
 from tidal_engine.structured.token_rules import CombinedMatcher, TokenRules, bad_word_token_ids
@@ -119,6 +122,14 @@ def sampling_options(params: SamplingParams, eos_token_ids: set[int]) -> Samplin
     )
 
 
+def spec_eligible(sample: _Sample) -> bool:
+    """The verifier samples exactly what the plain sampler would for this sample: no grammar or
+    token rules, penalties, logprobs, min_tokens or per-request seed (those stay one token a step)."""
+    o = sample.options
+    return (not o.has_grammar and o.logprobs is None and o.seed is None and o.min_tokens == 0
+            and o.repetition_penalty == 1.0 and o.frequency_penalty == 0.0 and o.presence_penalty == 0.0)
+
+
 def has_token_rules(params: SamplingParams) -> bool:
     return params.allowed_token_ids is not None or bool(params.bad_words)
 
@@ -173,6 +184,20 @@ class EngineCore:
         self._grammars: GrammarCompilerCache | None = None  # built on the first structured request
         self._state_lock = threading.Lock()  # sleep/wake/reset from other threads (offline users)
         self.async_scheduling = config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
+        self.speculative = SpeculativeConfig.parse(config.speculative_config) if config.speculative_config else None
+        self.proposer: NgramProposer | None = None
+        if self.speculative is not None:
+            if self.speculative.method != "ngram":
+                self.executor.shutdown()
+                raise ValueError("only the ngram speculative method is implemented so far")
+            s = self.speculative
+            self.proposer = NgramProposer(s.num_speculative_tokens, s.prompt_lookup_min, s.prompt_lookup_max)
+            self.async_scheduling = False  # the proposer reads every token on the host
+        # vLLM's spec-decode counters: drafts (rows that verified), draft tokens, accepted tokens, per position.
+        self.spec_num_drafts = 0
+        self.spec_num_draft_tokens = 0
+        self.spec_num_accepted_tokens = 0
+        self.spec_accepted_per_pos: list[int] = [0] * (self.speculative.num_speculative_tokens if self.speculative else 0)
         self._in_flight: _Step | None = None
         self.lora_manager: LoRAManager | None = getattr(self.executor, "lora_manager", None)
         if config.enable_lora and self.lora_manager is None:
@@ -341,6 +366,8 @@ class EngineCore:
         if self._sleep_level:
             return []
         if self._in_flight is None:
+            if self.proposer is not None:
+                self._propose()
             self._in_flight = self._launch(self.scheduler.schedule())
             if self._in_flight is None:
                 return []
@@ -349,6 +376,26 @@ class EngineCore:
             hold = self._advance_with_placeholders(current)
             self._in_flight = self._launch(self.scheduler.schedule(hold=hold))
         return self._complete(current)
+
+    def _propose(self) -> None:
+        """Drafts for the running decode rows whose sampling the verifier handles exactly."""
+        assert self.proposer is not None
+        rows: list[Request] = []
+        caps: list[int] = []
+        for req in self.scheduler.running:
+            sample = self._samples.get(req.request_id)
+            if sample is None or req.num_tokens - req.num_computed_tokens != 1 or not spec_eligible(sample):
+                continue
+            params = req.sampling_params
+            cap = min((params.max_tokens or 0) - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
+            if cap > 0:
+                rows.append(req)
+                caps.append(cap)
+        if not rows:
+            return
+        drafts = self.proposer.propose([np.asarray(r.all_token_ids, dtype=np.int64) for r in rows], caps)
+        for req, draft in zip(rows, drafts):
+            req.spec_token_ids = draft.tolist()
 
     def _launch(self, output: SchedulerOutput) -> _Step | None:
         """Send a scheduled step to the workers; nothing here waits for the device."""
@@ -400,7 +447,7 @@ class EngineCore:
                 new_blocks = chunk.block_ids[sent:]
             self._blocks_sent[rid] = len(chunk.block_ids)
             scheduled.append(ScheduledRequest(rid, req.num_computed_tokens, chunk.num_new_tokens, new_blocks,
-                                              chunk.samples, resumed))
+                                              chunk.samples, resumed, list(chunk.draft_token_ids)))
             if chunk.samples and sample.grammar is not None:
                 bitmasks[rid] = sample.grammar.bitmask_bytes()
         forget, self._forget = self._forget, []
@@ -444,7 +491,9 @@ class EngineCore:
         result = step.pending.result()
         if result.kv_transfer is not None:
             self.scheduler.update_from_kv_transfer(result.kv_transfer)
-        token_of = dict(zip(result.req_ids, result.token_ids))
+        token_of: dict[str, Any] = dict(zip(result.req_ids, result.token_lists or result.token_ids))
+        if result.token_lists:
+            self._count_accepted(step, token_of)
         if not step.advanced:
             self.scheduler.update_from_output(step.output, token_of)
         logprobs_of = dict(zip(result.req_ids, result.logprobs)) if result.logprobs else {}
@@ -458,7 +507,14 @@ class EngineCore:
             if step.advanced:
                 chunk.request.fill_placeholder(token_id)
             parent = self._parents[sample.parent_id]
-            deltas.append(self._on_token(sample, parent, token_id, logprobs_of.get(rid)))
+            if isinstance(token_id, list):  # verified drafts: each token in turn, until one ends the sample
+                first_output = chunk.request.num_output_tokens - len(token_id)
+                for j, tid in enumerate(token_id):
+                    deltas.append(self._on_token(sample, parent, tid, None, first_output + j + 1))
+                    if sample.finished:
+                        break
+            else:
+                deltas.append(self._on_token(sample, parent, token_id, logprobs_of.get(rid)))
             if parent.pending_fanout:
                 parent.pending_fanout = False
                 for index in range(1, parent.params.n):
@@ -467,11 +523,28 @@ class EngineCore:
                 self._end_parent(parent)
         return deltas
 
-    def _on_token(self, sample: _Sample, parent: _Parent, token_id: int, logprobs: SampledLogprobs | None) -> SampleDelta:
-        """One sampled token (already appended by the scheduler): check the stops that need no text."""
+    def _count_accepted(self, step: _Step, token_of: dict[str, Any]) -> None:
+        for chunk in step.sampling_chunks:
+            tokens = token_of.get(chunk.request.request_id)
+            drafts = len(chunk.draft_token_ids)
+            if not drafts or not isinstance(tokens, list):
+                continue
+            accepted = len(tokens) - 1
+            self.spec_num_drafts += 1
+            self.spec_num_draft_tokens += drafts
+            self.spec_num_accepted_tokens += accepted
+            for pos in range(accepted):
+                self.spec_accepted_per_pos[pos] += 1
+
+    def _on_token(self, sample: _Sample, parent: _Parent, token_id: int, logprobs: SampledLogprobs | None,
+                  num_output: int | None = None) -> SampleDelta:
+        """One sampled token (already appended by the scheduler): check the stops that need no text.
+        ``num_output``: the output length up to this token (default: the request's: it is the last)."""
         self._generation_tokens_total += 1
         req, params = sample.request, sample.request.sampling_params
-        past_min = req.num_output_tokens >= params.min_tokens
+        if num_output is None:
+            num_output = req.num_output_tokens
+        past_min = num_output >= params.min_tokens
         is_stop_token = past_min and token_id in params.stop_token_ids
         is_eos = past_min and not params.ignore_eos and token_id in self.eos_token_ids
         grammar_done = False
@@ -489,13 +562,13 @@ class EngineCore:
             reason, stop_reason = "stop", token_id
         elif grammar_done or is_eos:
             reason = "stop"
-        elif req.num_output_tokens >= (params.max_tokens or 0) or req.num_tokens >= self.max_model_len:
+        elif num_output >= (params.max_tokens or 0) or req.num_prompt_tokens + num_output >= self.max_model_len:
             reason = "length"
         # The text of an ending EOS or stop token is not part of the answer (as in vLLM).
         terminated = is_stop_token or is_eos or (grammar_done and token_id in self.eos_token_ids)
         if reason is not None:
             self._drop_sample(sample, RequestStatus.FINISHED_LENGTH if reason == "length" else RequestStatus.FINISHED_STOPPED)
-        first = sample.index == 0 and req.num_output_tokens == 1
+        first = sample.index == 0 and num_output == 1
         return SampleDelta(
             request_id=parent.request_id,
             index=sample.index,
@@ -554,6 +627,10 @@ class EngineCore:
             generation_tokens_total=self._generation_tokens_total,
             max_num_running_seen=self._max_running_seen,
             sleep_level=self._sleep_level,
+            spec_decode_num_drafts=self.spec_num_drafts,
+            spec_decode_num_draft_tokens=self.spec_num_draft_tokens,
+            spec_decode_num_accepted_tokens=self.spec_num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=list(self.spec_accepted_per_pos),
             prompt_tokens_computed=self.scheduler.num_prompt_tokens_computed,
             **self._offload_stats(),
             **lora,  # type: ignore[arg-type]

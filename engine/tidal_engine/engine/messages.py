@@ -78,6 +78,11 @@ class CoreStats(msgspec.Struct):
     sleep_level: int = 0
     # Registered LoRA adapters: (name, path, rank, unloading), the API servers' /v1/models.
     lora_adapters: list[tuple[str, str, int, bool]] = []
+    # Speculative decoding (vLLM's spec_decode counters): rows that verified drafts, drafts, accepted.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = []
     prompt_tokens_computed: int = 0  # prompt tokens computed (not served from any cache tier)
     # KV offload (kv_transfer/): the host tier's prefix hits (tokens the device tier missed),
     # what moved between the tiers and how long the copies took; the host pool's fill.

@@ -58,6 +58,9 @@ class ScheduledRequest(msgspec.Struct, frozen=True, array_like=True):
     samples: bool
     # True after a preemption: ``new_block_ids`` replace the table, computation restarts.
     resumed: bool = False
+    # Speculative decoding: the chunk's last len(draft_token_ids) tokens are these drafts (not in
+    # the history); the worker verifies them and returns 1..len+1 tokens.
+    draft_token_ids: list[int] = []
 
 
 class StepPlan(msgspec.Struct, frozen=True):
@@ -87,4 +90,6 @@ class StepResult(msgspec.Struct, frozen=True):
     req_ids: list[str]
     token_ids: list[int]
     logprobs: list[SampledLogprobs | None] = []  # parallel to token_ids when any row asked; else empty
+    # Steps that verified drafts: each request's emitted tokens (token_ids holds the last of each).
+    token_lists: list[list[int]] = []
     kv_transfer: KVTransferReport | None = None  # KV connector transfers finished since the last result

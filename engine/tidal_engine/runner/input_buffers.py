@@ -89,6 +89,9 @@ class StepInput:
     samples: np.ndarray  # bool: a token is sampled after this chunk
     # bool: the chunk's last token is the row's last sampled id, still on the device (async).
     fed: np.ndarray
+    # Speculative decoding: drafts among the last q_lens tokens of each row (None: no drafts);
+    # a verifying row needs logits at its last num_drafts + 1 positions.
+    num_drafts: np.ndarray | None = None
 
     @classmethod
     def build(cls, rows: list[int], starts: list[int], q_lens: list[int], samples: list[bool],

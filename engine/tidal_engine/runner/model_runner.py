@@ -435,6 +435,7 @@ class ModelRunner:
         sample_req_ids: list[str],
         grammar_bitmasks: dict[str, bytes] | None = None,
         lora_chunks: list[Any] | None = None,
+        drafts: list[list[int]] | None = None,
     ) -> SampledTokens | None:
         """Queue the forward pass over the persistent batch's ``step.rows`` and the sampling
         of the sequences that sample (``sample_req_ids``, in batch order); nothing here waits
@@ -442,7 +443,19 @@ class ModelRunner:
         ``last_sampled_dev`` rows, where the next step's fed tokens come from.
 
         ``lora_chunks``: the step's chunks as the LoRA manager wants them (``.request.lora_name``,
-        ``.num_new_tokens``), when any row uses an adapter; those steps run eagerly."""
+        ``.num_new_tokens``), when any row uses an adapter; those steps run eagerly.
+
+        ``drafts``: each sampling sequence's draft tokens (speculative decoding, see
+        runner/verify.py): the step runs eagerly and its result gives 1..k+1 tokens per row."""
+        if drafts is not None:
+            from tidal_engine.runner.verify import execute_verify
+
+            use_lora = lora_chunks is not None and self.lora_manager is not None and self.lora_manager.begin_step(lora_chunks)
+            try:
+                return execute_verify(self, step, sample_req_ids, drafts, grammar_bitmasks)
+            finally:
+                if use_lora:
+                    self.lora_manager.end_step()
         if lora_chunks is not None and self.lora_manager is not None and self.lora_manager.begin_step(lora_chunks):
             try:  # rows use adapters: run eagerly (the graphs hold the base path only)
                 return self._execute(step, sample_req_ids, grammar_bitmasks, allow_graphs=False)

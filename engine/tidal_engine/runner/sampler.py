@@ -432,6 +432,18 @@ class Sampler:
         if self._prompt_mask is None:
             self._prompt_mask = torch.zeros((self.num_slots, self.vocab_size), dtype=torch.bool, device=self.device)
 
+    def count_extra(self, req_id: str, extra: int) -> None:
+        """A verify step emitted ``extra`` tokens beyond the one ``sample`` counts (speculative
+        decoding): advance the host and device counters (min_tokens, the seeded RNG)."""
+        record = self._requests.get(req_id)
+        if record is None or extra <= 0:
+            return
+        record.calls += extra
+        self._iparams[record.slot, _NUM_SAMPLED] += extra
+
+    def options_of(self, req_id: str) -> SamplingOptions:
+        return self._requests[req_id].options
+
     def remove_request(self, req_id: str) -> None:
         record = self._requests.pop(req_id, None)
         if record is not None:

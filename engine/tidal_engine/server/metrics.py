@@ -103,6 +103,19 @@ class _EngineStatsCollector(Collector):
         yield counter("generation_tokens", "Tokens generated.", value("generation_tokens_total"))
         yield counter("num_preemptions", "Requests preempted (their KV recomputed later).",
                       value("num_preemptions"))
+        per_pos = list(getattr(stats, "spec_decode_num_accepted_tokens_per_pos", None) or [])
+        if per_pos:  # the engine speculates: vLLM's spec-decode counters
+            yield counter("spec_decode_num_drafts", "Rows that verified drafts.", value("spec_decode_num_drafts"))
+            yield counter("spec_decode_num_draft_tokens", "Draft tokens proposed and verified.",
+                          value("spec_decode_num_draft_tokens"))
+            yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                          value("spec_decode_num_accepted_tokens"))
+            family = CounterMetricFamily(self.prefix + "spec_decode_num_accepted_tokens_per_pos",
+                                         "Draft tokens accepted, by position in the draft.",
+                                         labels=["model_name", "position"])
+            for pos, count in enumerate(per_pos):
+                family.add_metric([self.model_name, str(pos)], float(count))
+            yield family
         max_loras = int(getattr(stats, "max_loras", 0) or 0)
         if max_loras:
             # vLLM's lora_requests_info: the adapters in the labels, the update time as the value.

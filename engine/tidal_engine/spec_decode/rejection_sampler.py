@@ -28,7 +28,7 @@ def rejection_sample(
     """Verify a batch of drafts.
 
     ``target_probs`` [R, k+1, V] (the filtered, normalised target distributions; greedy rows
-    may pass any scores, only their argmax is read), ``draft_token_ids`` [R, k] int64 (entries
+    may pass raw logits, only their argmax is read), ``draft_token_ids`` [R, k] int64 (entries
     past ``num_drafts`` are ignored), ``num_drafts`` [R] int64 in [0, k], ``greedy`` [R] bool,
     ``draft_probs`` [R, k, V] or None (one-hot drafts).
 
@@ -70,6 +70,7 @@ def rejection_sample(
     # A zero residual (p == q) cannot follow a rejection except by rounding: fall back to p.
     residual = torch.where(mass > 0, residual, p_at)
     final_dist = torch.where(rejected[:, None], residual, p_at)
+    final_dist = torch.where(greedy[:, None], torch.ones_like(final_dist), final_dist)  # greedy: unused
     final_sampled = torch.multinomial(final_dist, 1, generator=generator).squeeze(1)
     final = torch.where(greedy, argmax[row_ids, at], final_sampled)
 

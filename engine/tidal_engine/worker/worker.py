@@ -178,6 +178,8 @@ class Worker:
         starts = np.empty(n, dtype=np.int64)
         q_lens = np.empty(n, dtype=np.int64)
         samples = np.empty(n, dtype=bool)
+        num_drafts = np.zeros(n, dtype=np.int64)
+        drafts: list[list[int]] = []  # per sampling row, in sample order
         sampling_states: list[_ReqState] = []
         requests = self._requests
         for i, s in enumerate(plan.scheduled):
@@ -193,28 +195,38 @@ class Worker:
             starts[i] = s.num_computed_tokens
             q_lens[i] = s.num_new_tokens
             samples[i] = s.samples
+            if s.draft_token_ids:
+                # Drafts sit past the known tokens (not counted in num_tokens) for the gather.
+                nd = len(s.draft_token_ids)
+                known_i = int(num_tokens[row])
+                batch.ensure_token_capacity(known_i + nd)
+                batch.token_ids[row, known_i : known_i + nd] = s.draft_token_ids
+                num_drafts[i] = nd
             if s.samples:
                 sampling_states.append(state)
+                drafts.append(list(s.draft_token_ids))
         if not n:
             step = WorkerStep(self, plan.step_id, None, [], self._last_step)
             step.idle = True
             self._last_step = step
             return step
-        ends = starts + q_lens
-        known = num_tokens[rows]
+        ends = starts + q_lens - num_drafts
+        known = batch.num_tokens[rows]
         fed = ends > known
         if fed.any():
             self._check_feeds(plan, fed, ends, known, starts)
         if (q_lens < 1).any():
             raise ValueError(f"step {plan.step_id}: every scheduled request computes at least one token")
-        step_input = StepInput(rows=rows, starts=starts, q_lens=q_lens, samples=samples, fed=fed)
+        step_input = StepInput(rows=rows, starts=starts, q_lens=q_lens, samples=samples, fed=fed,
+                               num_drafts=num_drafts if num_drafts.any() else None)
         lora_chunks = None
         if self._num_lora_requests:
             lora_chunks = [
                 _LoRAChunk(_LoRARequest(requests[s.req_id].lora_name), s.num_new_tokens) for s in plan.scheduled
             ]
         sample_ids = [st.req_id for st in sampling_states]
-        sampled = self.runner.execute(step_input, sample_ids, plan.grammar_bitmasks or None, lora_chunks)
+        sampled = self.runner.execute(step_input, sample_ids, plan.grammar_bitmasks or None, lora_chunks,
+                                      drafts if step_input.num_drafts is not None else None)
         for st in sampling_states:
             st.unrecorded += 1
         step = WorkerStep(self, plan.step_id, sampled, sampling_states, self._last_step)
@@ -249,12 +261,24 @@ class Worker:
         states = step._states
         if len(token_ids) != len(states):
             raise RuntimeError(f"step {step.step_id}: {len(token_ids)} sampled ids for {len(states)} sampling requests")
+        token_lists: list[list[int]] = []
+        if token_ids and isinstance(token_ids[0], list):  # a verify step: 1..k+1 tokens per row
+            token_lists, token_ids = token_ids, [t[-1] for t in token_ids]
         with self._lock:
             step._previous = None
             step._sampled = None
-            live = [(st.row, t) for st, t in zip(states, token_ids) if st.alive]
-            for st in states:
-                st.unrecorded -= 1
+            if token_lists:
+                for st, tokens in zip(states, token_lists):
+                    if st.alive:
+                        for t in tokens:
+                            self.batch.append_tokens(np.array([st.row]), [t])
+                        self.runner.sampler.count_extra(st.req_id, len(tokens) - 1)
+                    st.unrecorded -= 1
+                live = []
+            else:
+                live = [(st.row, t) for st, t in zip(states, token_ids) if st.alive]
+                for st in states:
+                    st.unrecorded -= 1
             if live:
                 rows = np.fromiter((r for r, _ in live), dtype=np.int64, count=len(live))
                 self.batch.append_tokens(rows, [t for _, t in live])
@@ -265,7 +289,7 @@ class Worker:
         if self.kv_connector is not None:  # a step without a forward only waits for transfers
             report = self.kv_connector.poll(wait=step.idle)
         return StepResult(step_id=step.step_id, req_ids=[st.req_id for st in states], token_ids=token_ids, logprobs=lps,
-                          kv_transfer=report)
+                          kv_transfer=report, token_lists=token_lists)
 
     def settle(self) -> None:
         """Take the results of every launched step (errors included: they were reported)."""
