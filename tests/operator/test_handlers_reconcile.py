@@ -488,3 +488,24 @@ async def test_the_router_gets_copies_of_engine_and_namespace_keys_in_its_own_na
     found = await copies()
     assert set(found) == {f"tidal-engine-key-{llm['metadata']['uid']}"}
     assert found[f"tidal-engine-key-{llm['metadata']['uid']}"]["data"] == {"api-key": b64("rotated")}
+
+
+async def test_a_gpu_share_member_placed_elsewhere_than_its_group_is_refused_with_an_event(kube: Kube) -> None:
+    share = {"group": "pair", "memoryFraction": 0.6}
+    await create(kube, body("a", gpuShare=share))
+    await run(kube, "a")
+    await create(kube, body("b", gpuShare=share, podTemplate={"nodeSelector": {"pool": "other"}}))
+    outcome = await run(kube, "b")
+    assert outcome is not None and not outcome.valid
+    assert await kube.list_pods(NS, L.selector_string("b")) == []
+    validated = next(c for c in (await kube.get_llmservice(NS, "b"))["status"]["conditions"]
+                     if c["type"] == "Validated")
+    assert validated["status"] == "False" and validated["reason"] == "GPUShareConflict"
+    assert "nodeSelector" in validated["message"] and f"{NS}/a" in validated["message"]
+    listing = await kube.request("GET", f"/api/v1/namespaces/{NS}/events")
+    assert any(e["type"] == "Warning" and e["reason"] == "GPUShareConflict" and "nodeSelector" in e["message"]
+               and e["involvedObject"]["name"] == "b" for e in listing["items"])
+    # A member placed like the first one is fine, and the first is untouched.
+    await create(kube, body("c", gpuShare=share))
+    assert (await run(kube, "c")).valid  # type: ignore[union-attr]
+    assert (await run(kube, "a")).valid  # type: ignore[union-attr]

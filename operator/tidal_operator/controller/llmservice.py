@@ -19,6 +19,7 @@ from ..api.validation import ValidationProblem, parse_spec, validate_spec
 from ..kube import MANAGER_RECONCILER, Kube
 from ..reconcile.manifests import CONTAINER_NAME, metadata_drift, pod_manifest, spec_hash
 from ..reconcile.pods import PodView, plan_pods
+from ..reconcile.gpu_share import GPU_SHARE_CONFLICT, gpu_share_conflicts
 from ..reconcile.served_names import SERVED_NAME_CONFLICT, served_name_conflicts
 from ..reconcile.status import CONDITION_TYPES, compute_status, desired_replicas, extra_condition
 from ..secret_refs import referenced_secrets
@@ -116,6 +117,7 @@ async def reconcile(kube: Kube, config: OperatorConfig, namespace: str, name: st
     # A model name an earlier LLMService serves (any namespace the operator sees) is not ours.
     others = [o for o in await kube.list_llmservices(config.namespace) if o["metadata"].get("uid") != uid]
     problems += served_name_conflicts(llm, others)
+    problems += gpu_share_conflicts(llm, others)
     pods = await owned_pods(kube, namespace, uid)
     if problems:
         await write_invalid_status(kube, config, llm, pods, problems, generation, now)
@@ -211,5 +213,5 @@ async def write_invalid_status(kube: Kube, config: OperatorConfig, llm: Obj, pod
         await kube.apply_llmservice_status(meta["namespace"], meta["name"], applied, manager=MANAGER_RECONCILER)
     before, after = condition(old_status, "Validated"), condition(status, "Validated")
     if before.get("status") != "False" or before.get("message") != after.get("message"):
-        reason = SERVED_NAME_CONFLICT if after.get("reason") == SERVED_NAME_CONFLICT else "InvalidSpec"
+        reason = after.get("reason") if after.get("reason") in (SERVED_NAME_CONFLICT, GPU_SHARE_CONFLICT) else "InvalidSpec"
         await kube.post_event(llm, type_="Warning", reason=reason, message=str(after.get("message")))
