@@ -158,7 +158,7 @@ async def test_the_router_sleeps_the_other_member_before_it_wakes_the_requested_
             switcher = router.app.state.switcher
             # Every switch slept before it woke, and never woke a member while another was awake.
             assert switcher.switches[0] == (("b",), None)  # the first request only made room
-            assert all(len(slept) == 1 and woken is not None for slept, woken in switcher.switches[1:])
+            assert all(len(slept) == 1 and woken is not None for slept, woken in list(switcher.switches)[1:])
             assert a.sleep_calls + b.sleep_calls == len(switcher.switches)
 
 

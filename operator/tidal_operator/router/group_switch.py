@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 
 import httpx
 
@@ -43,7 +44,8 @@ class GroupSwitcher:
         self.retry_backoff_s = retry_backoff_s
         self._locks: dict[Key, asyncio.Lock] = {}  # (namespace, group)
         self._tasks: dict[Key, asyncio.Task[bool]] = {}  # (namespace, llmservice)
-        self.switches: list[tuple[tuple[str, ...], str | None]] = []  # (put to sleep, woken): for /debug and tests
+        # The latest switches, (put to sleep, woken), oldest first: for debugging and tests.
+        self.switches: deque[tuple[tuple[str, ...], str | None]] = deque(maxlen=100)
 
     # --- what the proxy calls ---------------------------------------------------------------
     def fits(self, entry: ModelEntry) -> bool:
