@@ -1,7 +1,7 @@
 """`tidal-engine`: `serve` runs the OpenAI-compatible server, `generate` runs one prompt offline.
 
-Flags carry vLLM's names. Features Tidal does not have (tensor parallelism, quantization,
-...) are accepted only with the value that means "off", so a vLLM command line that
+Flags carry vLLM's names. Features Tidal does not have (the "vLLM features Tidal does not
+have" group) are accepted only with the value that means "off", so a vLLM command line that
 relies on them fails loudly instead of silently serving something else.
 """
 
@@ -110,6 +110,10 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--seed", type=int, default=0, help="random seed for sampling")
     model.add_argument("--max-model-len", type=_positive_int, default=None,
                        help="context length (default: the model's)")
+    model.add_argument("--quantization", "-q", default=None,
+                       choices=("none", "fp8", "awq", "gptq", "compressed-tensors"),
+                       help="weight format (default: the checkpoint's); fp8 also quantizes a 16/32-bit checkpoint "
+                            "while loading (docs/quantization.md)")
     model.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
     model.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
                        help="auto: read the checkpoint; dummy: random weights of its shape (benchmarks)")
@@ -182,7 +186,6 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     unsupported = parser.add_argument_group(
         "vLLM features Tidal does not have", "accepted only with the value that turns them off"
     )
-    unsupported.add_argument("--quantization", "-q", default=None, help="must be unset or 'none'")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -286,8 +289,6 @@ def check_unsupported(parser: argparse.ArgumentParser, args: argparse.Namespace)
     problems: list[str] = []
     if getattr(args, "enable_auto_tool_choice", False) and not args.tool_call_parser:
         problems.append("--enable-auto-tool-choice (needs --tool-call-parser)")
-    if args.quantization not in (None, "none", "None"):
-        problems.append(f"--quantization {args.quantization} (no quantized kernels yet)")
     if not args.enable_lora:
         given = [flag for flag, value in (("--max-loras", args.max_loras), ("--max-lora-rank", args.max_lora_rank),
                                           ("--max-cpu-loras", args.max_cpu_loras), ("--lora-modules", args.lora_modules),
@@ -341,6 +342,7 @@ def engine_config(parser: argparse.ArgumentParser, args: argparse.Namespace, mod
             cache_dir=args.cache_dir,
             kv_offloading_size=args.kv_offloading_size,
             kv_offloading_backend=args.kv_offloading_backend,
+            quantization=args.quantization,
             tensor_parallel_size=args.tensor_parallel_size,
             pipeline_parallel_size=args.pipeline_parallel_size,
             distributed_executor_backend=args.distributed_executor_backend,

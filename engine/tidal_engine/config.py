@@ -76,6 +76,9 @@ class EngineConfig:
     # and the backend ("native": Tidal's own connector, kv_transfer/).
     kv_offloading_size: float | None = None
     kv_offloading_backend: str = "native"
+    # Weight quantization (docs/quantization.md): None/"none" = what the checkpoint has; fp8 also
+    # quantizes a 16/32-bit checkpoint while loading; awq/gptq/compressed-tensors must match it.
+    quantization: str | None = None
 
     @property
     def world_size(self) -> int:
@@ -132,5 +135,9 @@ class EngineConfig:
                 raise ValueError("KV offloading needs prefix caching (its keys are the prefix-cache block hashes)")
             if self.world_size > 1:
                 raise ValueError("KV offloading runs with one worker for now (tensor and pipeline size 1)")
+        if self.quantization in ("none", "None"):
+            self.quantization = None
+        if self.quantization not in (None, "fp8", "awq", "gptq", "compressed-tensors"):
+            raise ValueError(f"quantization must be fp8, awq, gptq, compressed-tensors or none, got {self.quantization!r}")
         if self.lora_modules and not self.enable_lora:
             raise ValueError("lora_modules needs enable_lora")

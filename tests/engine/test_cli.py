@@ -53,7 +53,7 @@ def test_help_groups_flags(capsys: pytest.CaptureFixture[str]) -> None:
         (["serve", "m", "-pp", "0"], "must be >= 1"),
         (["serve", "m", "-tp", "2", "--distributed-executor-backend", "uni"], "need distributed_executor_backend 'mp'"),
         (["serve", "m", "-tp", "2", "--runner", "pooling"], "--runner pooling runs on one device"),
-        (["serve", "m", "--quantization", "awq"], "--quantization awq"),
+        (["serve", "m", "--quantization", "int8"], "argument --quantization/-q: invalid choice: 'int8'"),
         (["serve", "m", "--kv-cache-dtype", "fp8_e5m2"], "argument --kv-cache-dtype: invalid choice"),
         (["serve", "m", "--max-loras", "4"], "--max-loras (needs --enable-lora)"),
         (["serve", "m", "--enable-lora", "--lora-modules", "sql"], "expected name=path"),

@@ -73,15 +73,32 @@ def _copy_rows(dst: torch.Tensor, dim: int, src: Any, start: int, size: int, ful
             dst.narrow(dim, n, size - n).zero_()
 
 
+def _packed(what: str, pack: int, start: int, size: int, offset: int, full: int) -> tuple[int, int, int, int]:
+    """(start, size, offset in the merged tensor, full size) of a row run, counted in elements
+    of a parameter that stores ``pack`` rows per element; the run must not split an element."""
+    if pack == 1:
+        return start, size, offset, full
+    if start % pack or size % pack or offset % pack or full % pack:
+        raise ValueError(f"{what}: rows {start}:{start + size} of {full} do not split into whole packs of {pack} "
+                         "(choose a tensor-parallel size that keeps each rank's share a multiple of it)")
+    return start // pack, size // pack, offset // pack, full // pack
+
+
 # ---- the quantization seam ---------------------------------------------------------------
 class LinearMethod(ABC):
     """How one linear stores its (sharded) weights and multiplies by them."""
+
+    # Checkpoint tensors of this layer that the method reads past (e.g. a static input scale).
+    ignored_params: tuple[str, ...] = ()
 
     @abstractmethod
     def create_weights(self, layer: "LinearBase", in_features: int, out_features: int, dtype: torch.dtype | None) -> None:
         """Register this rank's parameters on ``layer``; tag each with ``output_dim`` /
         ``input_dim`` (which tensor dimension holds the output rows / input columns; None
-        for neither) so the layer's weight loader can slice checkpoint tensors for it."""
+        for neither) so the layer's weight loader can slice checkpoint tensors for it, and
+        with ``output_pack`` / ``input_pack`` when one element there stands for several rows
+        or columns (packed 4-bit words, per-group scales). A parameter that already has a
+        ``weight_loader`` keeps it (it may reshape, then call the layer's)."""
 
     @abstractmethod
     def apply(self, layer: "LinearBase", x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -147,7 +164,7 @@ class LinearBase(nn.Module):
         else:
             self.bias = None
         for param in self._parameters.values():
-            if param is not None:
+            if param is not None and not hasattr(param, "weight_loader"):
                 param.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         self.delta_hooks: list[DeltaHook] = []
 
@@ -162,12 +179,14 @@ class LinearBase(nn.Module):
             raise ValueError(f"this layer has no shard {shard!r} (it has {sorted(map(str, self.output_ranges))})")
         out_dim = getattr(param, "output_dim", None)
         in_dim = getattr(param, "input_dim", None)
+        out_pack = getattr(param, "output_pack", 1)
+        in_pack = getattr(param, "input_pack", 1)
         target = param
         what = f"{shard}.{self._param_name(param)}" if shard else self._param_name(param)
         if out_dim is not None:
-            start, size = self.output_ranges[shard]
-            target = target.narrow(out_dim, self.shard_offsets[shard], size)
-            full = self.full_output_sizes[shard]
+            start, size, offset, full = _packed(what, out_pack, *self.output_ranges[shard], self.shard_offsets[shard],
+                                                self.full_output_sizes[shard])
+            target = target.narrow(out_dim, offset, size)
             if in_dim is None or self.input_range[1] == self.full_in_features:
                 _copy_rows(target, out_dim, loaded, start, size, full, what)
                 return
@@ -176,8 +195,8 @@ class LinearBase(nn.Module):
                                  f"model expects {full} along dimension {out_dim}")
             loaded = loaded.narrow(out_dim, start, size)
         if in_dim is not None:
-            start, size = self.input_range
-            _copy_rows(target, in_dim, loaded, start, size, self.full_in_features, what)
+            start, size, _, full = _packed(what, in_pack, *self.input_range, 0, self.full_in_features)
+            _copy_rows(target, in_dim, loaded, start, size, full, what)
             return
         copy_checked(target, loaded, what)
 
@@ -186,6 +205,8 @@ class LinearBase(nn.Module):
 
     def load(self, param_name: str, tensor: Any, shard: str | None = None) -> None:
         """Copy a checkpoint tensor (or this rank's slice of it) into ``param_name``."""
+        if param_name in self.method.ignored_params:
+            return
         param = getattr(self, param_name, None)
         if param is None:
             raise ValueError(f"checkpoint has a {param_name} this layer does not use")

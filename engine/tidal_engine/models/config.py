@@ -61,6 +61,7 @@ class ArchConfig:
     torch_dtype: torch.dtype | None  # the checkpoint's own dtype, None if unknown
     bos_token_id: int | None
     eos_token_id: int | list[int] | None
+    quantization_config: dict[str, Any] | None = None  # config.json's, as written (tidal_engine/quantization)
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES.values():
@@ -124,6 +125,7 @@ class ArchConfig:
             torch_dtype=parse_dtype(config.get("dtype") or config.get("torch_dtype")),
             bos_token_id=config.get("bos_token_id"),
             eos_token_id=list(eos) if isinstance(eos, (list, tuple)) else eos,
+            quantization_config=config.get("quantization_config"),
         )
 
 

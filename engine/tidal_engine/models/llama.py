@@ -29,6 +29,8 @@ from tidal_engine.layers.kv_cache_dtype import kv_scale_kind, scalar_scale
 from tidal_engine.distributed.parallel_state import get_parallel
 from tidal_engine.distributed.partition import layer_range
 from tidal_engine.layers.linear import (
+    LinearBase,
+    LinearMethod,
     MergedColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
@@ -40,15 +42,22 @@ from tidal_engine.layers.linear import (
 from tidal_engine.layers.norm import RMSNorm
 from tidal_engine.layers.rotary import RotaryEmbedding
 from tidal_engine.models.config import ArchConfig
+from tidal_engine.quantization.base import QuantizationConfig
+
+
+def _method(quant: QuantizationConfig | None, prefix: str, modules: list[str]) -> LinearMethod | None:
+    """The quantization method of the linear that loads the HF modules ``prefix.<module>``."""
+    return quant.linear_method([f"{prefix}.{m}" for m in modules]) if quant is not None else None
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, config: ArchConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ArchConfig, rotary: RotaryEmbedding, quant: QuantizationConfig | None = None,
+                 prefix: str = "self_attn") -> None:
         super().__init__()
         self.head_dim = config.head_dim
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size, config.num_attention_heads, config.num_key_value_heads, self.head_dim,
-            bias=config.attention_bias,
+            bias=config.attention_bias, method=_method(quant, prefix, ["q_proj", "k_proj", "v_proj"]),
         )
         heads = self.qkv_proj.heads  # this tensor rank's query heads and the KV heads they read
         self.num_heads = heads.num_heads
@@ -56,6 +65,7 @@ class DecoderAttention(nn.Module):
         self.o_proj = RowParallelLinear(
             config.num_attention_heads * self.head_dim, config.hidden_size, bias=config.o_proj_bias,
             input_range=(heads.q_start * self.head_dim, heads.num_heads * self.head_dim),
+            method=_method(quant, prefix, ["o_proj"]),
         )
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
@@ -119,12 +129,14 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderMLP(nn.Module):
-    def __init__(self, config: ArchConfig) -> None:
+    def __init__(self, config: ArchConfig, quant: QuantizationConfig | None = None, prefix: str = "mlp") -> None:
         super().__init__()
         size = config.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, {"gate": size, "up": size}, bias=config.mlp_bias)
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, {"gate": size, "up": size}, bias=config.mlp_bias,
+                                                       method=_method(quant, prefix, ["gate_proj", "up_proj"]))
         self.down_proj = RowParallelLinear(size, config.hidden_size, bias=config.mlp_bias,
-                                           input_range=self.gate_up_proj.output_ranges["gate"])
+                                           input_range=self.gate_up_proj.output_ranges["gate"],
+                                           method=_method(quant, prefix, ["down_proj"]))
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -132,12 +144,13 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ArchConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ArchConfig, rotary: RotaryEmbedding, quant: QuantizationConfig | None = None,
+                 prefix: str = "model.layers.0") -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = DecoderAttention(config, rotary)
+        self.self_attn = DecoderAttention(config, rotary, quant, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = DecoderMLP(config)
+        self.mlp = DecoderMLP(config, quant, f"{prefix}.mlp")
 
     def forward(
         self,
@@ -166,8 +179,15 @@ _MERGED_SHARDS: dict[str, tuple[str, str]] = {
     "mlp.gate_proj": ("mlp.gate_up_proj", "gate"),
     "mlp.up_proj": ("mlp.gate_up_proj", "up"),
 }
-_LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+_LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(\w+)$")
 _LAYER_SUFFIX = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+# Our linear modules → the HF modules they load (one each, or the shards of a merged one).
+_LINEAR_MODULES: dict[str, list[str]] = {
+    "self_attn.qkv_proj": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+    "self_attn.o_proj": ["self_attn.o_proj"],
+    "mlp.gate_up_proj": ["mlp.gate_proj", "mlp.up_proj"],
+    "mlp.down_proj": ["mlp.down_proj"],
+}
 
 
 class MissingLayer(nn.Module):
@@ -175,9 +195,10 @@ class MissingLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ArchConfig) -> None:
+    def __init__(self, config: ArchConfig, quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
         self.config = config
+        self.quant_config = quant_config  # the decoder linears' format; embedding and head stay plain
         layout = get_parallel()
         self.is_first_stage, self.is_last_stage = layout.is_first_stage, layout.is_last_stage
         self.start_layer, self.end_layer = layer_range(config.num_hidden_layers, layout.pp_size, layout.pp_rank)
@@ -187,7 +208,8 @@ class LlamaForCausalLM(nn.Module):
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(config, self.rotary_emb) if self.start_layer <= i < self.end_layer else MissingLayer()
+            DecoderLayer(config, self.rotary_emb, quant_config, f"model.layers.{i}")
+            if self.start_layer <= i < self.end_layer else MissingLayer()
             for i in range(config.num_hidden_layers)
         )
         self._local_layers = list(self.layers[self.start_layer : self.end_layer])
@@ -238,7 +260,7 @@ class LlamaForCausalLM(nn.Module):
 
         Raises ValueError for an unknown, mis-shaped or missing tensor.
         """
-        expected = self._expected_checkpoint_names()
+        expected, optional = self._expected_checkpoint_names()
         loaded: set[str] = set()
         tied_head = self.config.tie_word_embeddings and self.lm_head is not None and self.embed_tokens is None
         for name, tensor in weights:
@@ -248,7 +270,7 @@ class LlamaForCausalLM(nn.Module):
                 continue  # tied: the embedding is the head
             if self._load_kv_scale(name, tensor):
                 continue  # optional: fp8 KV-cache scales (1.0 where absent)
-            if name not in expected:
+            if name not in expected and name not in optional and not self._unchecked(name):
                 raise ValueError(f"unexpected tensor in checkpoint: {name} {tuple(tensor.shape)}")
             if not self._holds(name):
                 loaded.add(name)  # another pipeline stage's
@@ -316,32 +338,48 @@ class LlamaForCausalLM(nn.Module):
             else:
                 layer.get_submodule(module_name).load(param_name, tensor)
 
-    def _expected_checkpoint_names(self) -> set[str]:
-        """The HF names a complete checkpoint for this config must contain."""
+    def _unchecked(self, name: str) -> bool:
+        """A quantized checkpoint's tensor of a layer another pipeline stage holds: this stage
+        does not know that layer's format (ignore lists may name single layers), so it skips it."""
+        match = _LAYER_NAME.match(name)
+        return self.quant_config is not None and match is not None and not self._holds(name)
+
+    def _expected_checkpoint_names(self) -> tuple[set[str], set[str]]:
+        """The HF names a complete checkpoint for this config must contain, and those it may
+        contain (tensors a quantization method reads past)."""
         cfg = self.config
         names = {"model.embed_tokens.weight", "model.norm.weight"}
+        optional: set[str] = set()
         if not cfg.tie_word_embeddings:
             names.add("lm_head.weight")
-        per_layer = [
-            "input_layernorm.weight",
-            "post_attention_layernorm.weight",
-            "self_attn.q_proj.weight",
-            "self_attn.k_proj.weight",
-            "self_attn.v_proj.weight",
-            "self_attn.o_proj.weight",
-            "mlp.gate_proj.weight",
-            "mlp.up_proj.weight",
-            "mlp.down_proj.weight",
-        ]
-        if cfg.attention_bias:
-            per_layer += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
-        if cfg.o_proj_bias:
-            per_layer.append("self_attn.o_proj.bias")
-        if cfg.mlp_bias:
-            per_layer += ["mlp.gate_proj.bias", "mlp.up_proj.bias", "mlp.down_proj.bias"]
+        norms = ["input_layernorm.weight", "post_attention_layernorm.weight"]
         if cfg.qk_norm:
-            per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+            norms += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
         for i in range(cfg.num_hidden_layers):
-            names.update(f"model.layers.{i}.{suffix}" for suffix in per_layer)
-        return names
+            prefix = f"model.layers.{i}"
+            names.update(f"{prefix}.{suffix}" for suffix in norms)
+            layer = self.layers[i]
+            if isinstance(layer, MissingLayer):
+                if self.quant_config is None:
+                    names.update(f"{prefix}.{suffix}" for suffix in self._plain_linear_names())
+                continue
+            for module_name, hf_modules in _LINEAR_MODULES.items():
+                linear = layer.get_submodule(module_name)
+                assert isinstance(linear, LinearBase)
+                params = [n for n, p in linear.named_parameters(recurse=False) if p is not None]
+                for hf_module in hf_modules:
+                    names.update(f"{prefix}.{hf_module}.{p}" for p in params)
+                    optional.update(f"{prefix}.{hf_module}.{p}" for p in linear.method.ignored_params)
+        return names, optional
 
+    def _plain_linear_names(self) -> list[str]:
+        """A plain layer's linear tensors (weights and the biases the config has)."""
+        cfg = self.config
+        names = [f"{m}.weight" for modules in _LINEAR_MODULES.values() for m in modules]
+        if cfg.attention_bias:
+            names += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
+        if cfg.o_proj_bias:
+            names.append("self_attn.o_proj.bias")
+        if cfg.mlp_bias:
+            names += ["mlp.gate_proj.bias", "mlp.up_proj.bias", "mlp.down_proj.bias"]
+        return names

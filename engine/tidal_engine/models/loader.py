@@ -476,21 +476,32 @@ def resolve_dtype(config_dtype: torch.dtype | str | None, requested: str, device
 
 
 def load_model(
-    source: ModelSource, dtype: torch.dtype, device: torch.device | str, load_format: str = "auto"
+    source: ModelSource, dtype: torch.dtype, device: torch.device | str, load_format: str = "auto",
+    quantization: str | None = None,
 ) -> LlamaForCausalLM:
     """Build this rank's model directly on ``device`` in ``dtype`` and fill it from the
     checkpoint. ``load_format="dummy"`` (vLLM's): random weights, nothing read (benchmarks
-    of shapes whose checkpoint would take minutes to write and read)."""
+    of shapes whose checkpoint would take minutes to write and read). ``quantization``
+    (--quantization) must agree with the checkpoint's own format (tidal_engine/quantization)."""
+    from tidal_engine.layers.linear import LinearBase
+    from tidal_engine.quantization import resolve_quantization
+
+    quant_config = resolve_quantization(source.arch_config.quantization_config, quantization)
     device = torch.device(device)
     previous_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # parameters are created in the run dtype (rotary stays float32)
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(source.arch_config)
+            model = LlamaForCausalLM(source.arch_config, quant_config)
     finally:
         torch.set_default_dtype(previous_dtype)
     model.requires_grad_(False)
     fill_weights(model, source, load_format)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, LinearBase):
+                module.method.process_weights_after_loading(module)
+    model.weights_processed = True
     return model.eval()
 
 
@@ -498,6 +509,9 @@ def fill_weights(model: LlamaForCausalLM, source: ModelSource, load_format: str 
     """Write the checkpoint into the model's existing parameters (start-up, and the wake from
     sleep level 2, which reuses the parameters' device memory). A single-rank model on an HF
     folder reads its tensors in parallel (``read_safetensors_parallel``)."""
+    if getattr(model, "quant_config", None) is not None and getattr(model, "weights_processed", False):
+        # Quantized linears were repacked after loading: the checkpoint no longer fits them.
+        raise ValueError("reloading quantized weights in place (sleep level 2) is not supported yet")
     if load_format == "dummy":
         fill_dummy_weights(model)
         return
@@ -513,10 +527,19 @@ def fill_weights(model: LlamaForCausalLM, source: ModelSource, load_format: str 
 
 
 def fill_dummy_weights(model: torch.nn.Module, std: float = 0.02) -> None:
-    """Norm weights 1, every other parameter N(0, std): finite activations at any depth."""
+    """Norm weights 1, every other parameter N(0, std): finite activations at any depth. A
+    quantized linear fills its own (``fill_dummy``: random weights through its quantizer)."""
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(0)
+    filled: set[int] = set()
     with torch.no_grad():
+        for module in model.modules():
+            fill = getattr(getattr(module, "method", None), "fill_dummy", None)
+            if fill is not None:
+                fill(module, std, generator)
+                filled.update(id(p) for p in module.parameters(recurse=False))
         for name, param in model.named_parameters():
+            if id(param) in filled:
+                continue
             if param.dim() == 1 and "norm" in name:
                 param.fill_(1.0)
             else:

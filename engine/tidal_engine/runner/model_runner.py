@@ -121,7 +121,8 @@ class ModelRunner:
         clock = StartupClock(device)
         self._free_before_load = self._check_device_memory()
         clock.mark("device_init")  # the CUDA context, when this is the process's first use of the device
-        self.model = load_model(source, dtype, device, getattr(config, "load_format", "auto"))
+        self.model = load_model(source, dtype, device, getattr(config, "load_format", "auto"),
+                                getattr(config, "quantization", None))
         clock.mark("load_weights")
         self.backend = choose_attention_backend(device)
         set_attention_backend(self.model, self.backend)

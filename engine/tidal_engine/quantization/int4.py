@@ -1,0 +1,178 @@
+"""INT4 weights, AWQ and GPTQ: 4-bit integers in groups of input columns, each group with a
+scale and a zero point, ``w = (q - zero) * scale``; activations stay in the run dtype.
+
+On disk (the formats AutoAWQ and AutoGPTQ/GPTQModel write):
+
+| tensor | AWQ (``version: gemm``) | GPTQ (``checkpoint_format: gptq``) |
+|---|---|---|
+| ``qweight`` int32 | ``[in, out/8]``, 8 outputs a word in the order 0 2 4 6 1 3 5 7 | ``[in/8, out]``, 8 inputs a word, in order |
+| ``qzeros`` int32 | ``[in/g, out/8]``, the qweight order | ``[in/g, out/8]``, in order, stored minus 1 (``gptq_v2``: not) |
+| ``scales`` fp16 | ``[in/g, out]`` | ``[in/g, out]`` |
+| ``g_idx`` int32 | – | ``[in]``, the group of each input (``k // g`` unless desc_act) |
+
+After loading, both are repacked into one layout that the kernels read row by row:
+``qweight`` ``[out, in/8]`` (8 inputs a word, in order), ``scales`` and ``zeros`` ``[out, in/g]``
+in the run dtype. The matmul is the torch reference (dequantize, then multiply) on every
+device; a Triton INT4 kernel is not written yet.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tidal_engine.layers.linear import LinearBase, LinearMethod
+from tidal_engine.quantization.base import QuantizationConfig
+
+PACK = 8  # 4-bit values per int32
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # word nibble i holds output column AWQ_ORDER[i]
+_SHIFTS = torch.arange(PACK, dtype=torch.int32) * 4
+
+
+def unpack_words(words: torch.Tensor, order: tuple[int, ...] | None = None) -> torch.Tensor:
+    """int32 ``[..., W]`` → int32 ``[..., W*8]`` of 0..15: nibble i of word j lands at ``8j + order[i]``."""
+    nibbles = (words.unsqueeze(-1) >> _SHIFTS.to(words.device)) & 0xF  # [..., W, 8], nibble i at position i
+    if order is not None:
+        nibbles = nibbles[..., torch.argsort(torch.tensor(order, device=words.device))]
+    return nibbles.reshape(*words.shape[:-1], words.shape[-1] * PACK)
+
+
+def pack_rows(values: torch.Tensor) -> torch.Tensor:
+    """0..15 ``[..., K]`` → int32 ``[..., K/8]``, element ``8j + i`` in nibble i of word j."""
+    v = values.to(torch.int32).reshape(*values.shape[:-1], values.shape[-1] // PACK, PACK)
+    return (v << _SHIFTS.to(values.device)).sum(dim=-1, dtype=torch.int32)
+
+
+def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+               dtype: torch.dtype) -> torch.Tensor:
+    """The repacked layout → ``[out, in]`` weights in ``dtype`` (the reference path)."""
+    q = unpack_words(qweight).to(dtype)  # [N, K]
+    n, k = q.shape
+    q = q.view(n, k // group_size, group_size)
+    return ((q - zeros.to(dtype)[:, :, None]) * scales.to(dtype)[:, :, None]).view(n, k)
+
+
+def _param(data: torch.Tensor, output_dim: int | None, input_dim: int | None, output_pack: int = 1,
+           input_pack: int = 1) -> nn.Parameter:
+    p = nn.Parameter(data, requires_grad=False)
+    p.output_dim, p.input_dim = output_dim, input_dim  # type: ignore[attr-defined]
+    p.output_pack, p.input_pack = output_pack, input_pack  # type: ignore[attr-defined]
+    return p
+
+
+class Int4LinearMethod(LinearMethod):
+    """Loads AWQ or GPTQ tensors (``fmt``), repacks them, multiplies."""
+
+    def __init__(self, fmt: str, group_size: int, zero_offset: int = 0, has_zeros: bool = True) -> None:
+        self.fmt = fmt  # "awq" | "gptq"
+        self.group_size = group_size
+        self.zero_offset = zero_offset  # GPTQ v1 stores zero - 1
+        self.has_zeros = has_zeros  # AWQ with zero_point false: symmetric, zero 8
+        self.ignored_params = () if has_zeros else ("qzeros",)
+
+    def create_weights(self, layer: LinearBase, in_features: int, out_features: int, dtype: torch.dtype | None) -> None:
+        g = self.group_size
+        if in_features % g or out_features % PACK:
+            raise ValueError(f"{self.fmt}: a layer of {in_features} inputs × {out_features} outputs (on this rank) "
+                             f"does not split into groups of {g} inputs and words of {PACK} outputs")
+        groups = in_features // g
+        scale_dtype = torch.get_default_dtype() if dtype is None else dtype
+        if self.fmt == "awq":
+            layer.register_parameter("qweight", _param(torch.empty(in_features, out_features // PACK, dtype=torch.int32),
+                                                       1, 0, output_pack=PACK))
+        else:
+            layer.register_parameter("qweight", _param(torch.empty(in_features // PACK, out_features, dtype=torch.int32),
+                                                       1, 0, input_pack=PACK))
+            layer.register_parameter("g_idx", _param(torch.empty(in_features, dtype=torch.int32), None, 0))
+        if self.has_zeros:
+            layer.register_parameter("qzeros", _param(torch.empty(groups, out_features // PACK, dtype=torch.int32),
+                                                      1, 0, output_pack=PACK, input_pack=g))
+        layer.register_parameter("scales", _param(torch.empty(groups, out_features, dtype=scale_dtype), 1, 0,
+                                                  input_pack=g))
+
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        g = self.group_size
+        order = AWQ_ORDER if self.fmt == "awq" else None
+        if self.fmt == "awq":
+            q = unpack_words(layer.qweight.data, AWQ_ORDER)  # [K, N]
+        else:
+            q = unpack_words(layer.qweight.data.t().contiguous()).t()  # [K/8, N] → [K, N]
+            in_features = q.shape[0]
+            expected = torch.arange(in_features, device=q.device, dtype=torch.int32) // g
+            if not torch.equal(layer.g_idx.data.to(torch.int32), expected):
+                raise ValueError("gptq: g_idx reorders the input columns (act-order / desc_act); not supported")
+            del layer.g_idx
+        if self.has_zeros:
+            zeros = (unpack_words(layer.qzeros.data, order) + self.zero_offset).t()  # [N, K/g]
+            del layer.qzeros
+        else:
+            zeros = torch.full((q.shape[1], q.shape[0] // g), 8, device=q.device)
+        scales = layer.scales.data.t().contiguous()  # [N, K/g]
+        del layer.qweight, layer.scales
+        layer.qweight = _param(pack_rows(q.t().contiguous()), 0, 1)  # [N, K/8]
+        layer.scales = _param(scales, 0, 1)
+        layer.zeros = _param(zeros.to(scales.dtype).contiguous(), 0, 1)
+        layer.group_size = g
+
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        # The reference everywhere for now (no INT4 kernel yet: on CUDA this is correct but slow).
+        w = dequantize(layer.qweight, layer.scales, layer.zeros, self.group_size, x2.dtype)
+        y = F.linear(x2, w, bias)
+        return y.reshape(*shape[:-1], y.shape[-1])
+
+
+def _check_bits(name: str, config: dict[str, Any]) -> int:
+    bits = int(config.get("bits", config.get("w_bit", 4)))
+    if bits != 4:
+        raise ValueError(f"{name}: {bits}-bit weights are not supported (only 4-bit)")
+    group = int(config.get("group_size", config.get("q_group_size", 128)))
+    if group <= 0 or group % PACK:
+        raise ValueError(f"{name}: group_size {group} is not supported (a positive multiple of {PACK}; -1 is not)")
+    return group
+
+
+class AWQConfig(QuantizationConfig):
+    name = "awq"
+
+    def __init__(self, group_size: int, zero_point: bool, ignored: list[str] | None = None) -> None:
+        super().__init__(ignored or [])
+        self.group_size, self.zero_point = group_size, zero_point
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "AWQConfig":
+        group = _check_bits("awq", config)
+        version = str(config.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise ValueError(f"awq: version {version!r} is not supported (only the 'gemm' layout)")
+        return cls(group, bool(config.get("zero_point", True)), list(config.get("modules_to_not_convert") or []))
+
+    def make_method(self) -> LinearMethod:
+        return Int4LinearMethod("awq", self.group_size, has_zeros=self.zero_point)
+
+
+class GPTQConfig(QuantizationConfig):
+    name = "gptq"
+
+    def __init__(self, group_size: int, zero_offset: int, ignored: list[str] | None = None) -> None:
+        super().__init__(ignored or [])
+        self.group_size, self.zero_offset = group_size, zero_offset
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "GPTQConfig":
+        group = _check_bits("gptq", config)
+        if config.get("desc_act"):
+            raise ValueError("gptq: desc_act=true (act-order) checkpoints are not supported; "
+                             "quantize with desc_act=false")
+        fmt = config.get("checkpoint_format", "gptq")
+        if fmt not in ("gptq", "gptq_v2"):
+            raise ValueError(f"gptq: checkpoint_format {fmt!r} is not supported (gptq, gptq_v2)")
+        return cls(group, 1 if fmt == "gptq" else 0, list(config.get("modules_to_not_convert") or []))
+
+    def make_method(self) -> LinearMethod:
+        return Int4LinearMethod("gptq", self.group_size, zero_offset=self.zero_offset)
+

@@ -1,0 +1,121 @@
+"""Weight quantization (tidal_engine/quantization): checkpoints written by Tidal's quantizer in
+each on-disk format load into logits that match the dequantized reference model.
+
+Tolerances: INT4 is weight-only, so the quantized model and the float32 model of its
+dequantized weights compute the same sums (1e-4). FP8 also quantizes every linear's input per
+token; the reference applies the same fake quantization to the inputs of the dequantized
+model's linears (1e-2 on logits of magnitude ~10: an activation that sits on an FP8 rounding
+boundary may round the other way when the sums run in another order).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tidal_engine.layers.linear import LinearBase
+from tidal_engine.models.loader import load_model, resolve_model
+from tidal_engine.quantization import resolve_quantization
+from tidal_engine.quantization.fp8 import quantize_tokens
+from tidal_engine.quantization.int4 import AWQ_ORDER, unpack_words
+from tidal_engine.quantization.quantizer import write_quantized_checkpoint
+
+from tiny_models import SeqStep, allocate_kv_caches, forward_batch, make_tiny_model
+
+# Hidden 128 and intermediate 256: every linear splits into groups of 128 inputs.
+SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+CASES = [
+    ("fp8", dict()),
+    ("fp8", dict(per_channel=True)),
+    ("compressed-tensors", dict()),
+    ("compressed-tensors", dict(per_channel=True)),
+    ("awq", dict(group_size=128)),
+    ("gptq", dict(group_size=128, symmetric=True)),
+    ("gptq", dict(group_size=64, symmetric=False)),
+]
+
+
+@pytest.fixture(scope="module")
+def plain_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("plain")
+    make_tiny_model("qwen3", folder, **SHAPE)
+    return folder
+
+
+def fake_quantize_inputs(model: torch.nn.Module) -> None:
+    """The W8A8 reference: each decoder linear sees its input quantized per token."""
+    def hook(module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        x = args[0]
+        q, scale = quantize_tokens(x.reshape(-1, x.shape[-1]))
+        return ((q.float() * scale).reshape(x.shape).to(x.dtype),)
+
+    for name, module in model.named_modules():
+        if isinstance(module, LinearBase) and name != "lm_head":
+            module.register_forward_pre_hook(hook)
+
+
+def logits_of(model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
+    caches = allocate_kv_caches(model, num_blocks=8, block_size=16)
+    return forward_batch(model, caches, [SeqStep(tokens, 0, list(range(len(tokens) // 16 + 1)))], 16)[0]
+
+
+def greedy(model: torch.nn.Module, prompt: list[int], steps: int) -> list[int]:
+    tokens = list(prompt)
+    for _ in range(steps):
+        tokens.append(int(logits_of(model, tokens)[-1].argmax()))
+    return tokens[len(prompt):]
+
+
+@pytest.mark.parametrize("method, options", CASES, ids=[f"{m}-{'-'.join(f'{k}={v}' for k, v in o.items())}"
+                                                          for m, o in CASES])
+def test_quantized_checkpoint_matches_dequantized_reference(
+    plain_dir: Path, tmp_path: Path, method: str, options: dict
+) -> None:
+    write_quantized_checkpoint(plain_dir, tmp_path / "q", method, reference=tmp_path / "ref", **options)
+    model = load_model(resolve_model(str(tmp_path / "q")), torch.float32, "cpu")
+    reference = load_model(resolve_model(str(tmp_path / "ref")), torch.float32, "cpu")
+    fp8 = method in ("fp8", "compressed-tensors")
+    if fp8:
+        fake_quantize_inputs(reference)
+    # The decoder linears are quantized; the head and the embedding are not.
+    assert model.layers[0].mlp.down_proj.method.__class__.__name__ != "UnquantizedLinearMethod"
+    assert model.lm_head.weight.dtype == torch.float32
+    prompt = [int(t) for t in torch.randint(0, 1000, (20,), generator=torch.Generator().manual_seed(1))]
+    got, want = logits_of(model, prompt), logits_of(reference, prompt)
+    assert torch.allclose(got, want, atol=1e-2 if fp8 else 1e-4, rtol=0), (got - want).abs().max()
+    assert greedy(model, prompt, 32) == greedy(reference, prompt, 32)
+
+
+def test_online_fp8_quantizes_a_plain_checkpoint(plain_dir: Path, tmp_path: Path) -> None:
+    # Quantizing while loading gives exactly the per-channel FP8 checkpoint of the same weights.
+    write_quantized_checkpoint(plain_dir, tmp_path / "q", "fp8", per_channel=True)
+    online = load_model(resolve_model(str(plain_dir)), torch.float32, "cpu", quantization="fp8")
+    offline = load_model(resolve_model(str(tmp_path / "q")), torch.float32, "cpu", quantization="fp8")
+    qkv = online.layers[0].self_attn.qkv_proj
+    assert qkv.weight.dtype == torch.float8_e4m3fn and qkv.weight_scale.shape == (qkv.out_features,)
+    prompt = list(range(3, 40))
+    assert torch.equal(logits_of(online, prompt), logits_of(offline, prompt))
+
+
+def test_awq_words_hold_outputs_in_awq_order() -> None:
+    # Word 0x76543210 → nibble i is i; AWQ puts nibble i at output column AWQ_ORDER[i].
+    word = torch.tensor([[0x76543210]], dtype=torch.int32)
+    assert unpack_words(word).tolist() == [[0, 1, 2, 3, 4, 5, 6, 7]]
+    unpacked = unpack_words(word, AWQ_ORDER).tolist()[0]
+    assert [unpacked[AWQ_ORDER[i]] for i in range(8)] == list(range(8))
+
+
+@pytest.mark.parametrize("checkpoint, requested, message", [
+    ({"quant_method": "awq", "bits": 4, "group_size": 128}, "gptq", "--quantization gptq does not match"),
+    (None, "awq", "needs a awq checkpoint"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True}, None, "desc_act=true"),
+    ({"quant_method": "gptq", "bits": 8, "group_size": 128}, None, "8-bit weights are not supported"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 128]}, None, "block-wise"),
+    ({"quant_method": "bitsandbytes"}, None, "quant_method 'bitsandbytes'"),
+])
+def test_unsupported_or_mismatched_quantization_is_a_clear_error(checkpoint: dict | None, requested: str | None,
+                                                                 message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        resolve_quantization(checkpoint, requested)
