@@ -119,3 +119,26 @@ def test_unsupported_or_mismatched_quantization_is_a_clear_error(checkpoint: dic
                                                                  message: str) -> None:
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         resolve_quantization(checkpoint, requested)
+
+
+@pytest.mark.slow
+def test_gptq_tensor_parallel_2_gives_the_single_rank_tokens(tmp_path: Path) -> None:
+    # Two gloo ranks: packed qweight/qzeros, per-group scales and g_idx sharded by output rows
+    # (q/k/v, gate/up) and by input groups (o_proj, down_proj); the engine answers the same.
+    from tidal_engine import LLM, SamplingParams
+    from tiny_tokenizer import EOS_ID, save_byte_tokenizer
+
+    plain = tmp_path / "plain"
+    make_tiny_model("qwen3", plain, eos_token_id=EOS_ID, bos_token_id=None, **SHAPE)
+    save_byte_tokenizer(plain, vocab_size=1000)
+    write_quantized_checkpoint(plain, tmp_path / "q", "gptq", group_size=32)
+    options = dict(device="cpu", dtype="float32", max_model_len=64, block_size=4, num_gpu_blocks_override=32,
+                   max_num_seqs=2)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = [[5, 17, 99, 3, 25], [1, 2, 3]]
+    single = [o.outputs[0].token_ids for o in LLM(str(tmp_path / "q"), **options).generate(prompts, params)]
+    tp2 = LLM(str(tmp_path / "q"), tensor_parallel_size=2, quantization="gptq", **options)
+    try:
+        assert [o.outputs[0].token_ids for o in tp2.generate(prompts, params)] == single
+    finally:
+        tp2.engine.shutdown()

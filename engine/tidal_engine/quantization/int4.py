@@ -101,7 +101,9 @@ class Int4LinearMethod(LinearMethod):
         else:
             q = unpack_words(layer.qweight.data.t().contiguous()).t()  # [K/8, N] → [K, N]
             in_features = q.shape[0]
-            expected = torch.arange(in_features, device=q.device, dtype=torch.int32) // g
+            # g_idx holds the checkpoint's group numbers: a row-parallel rank's run starts past 0.
+            first = layer.input_range[0]
+            expected = (torch.arange(in_features, device=q.device, dtype=torch.int32) + first) // g
             if not torch.equal(layer.g_idx.data.to(torch.int32), expected):
                 raise ValueError("gptq: g_idx reorders the input columns (act-order / desc_act); not supported")
             del layer.g_idx
