@@ -1,5 +1,5 @@
 """Speculative decoding: the typed config, the proposer interface, proposers and the verifier's
-rejection sampler (docs/speculative-decoding.md). Not yet wired into the engine's step."""
+rejection sampler (docs/speculative-decoding.md); the engine core proposes, runner/verify.py verifies."""
 
 from tidal_engine.spec_decode.config import SpeculativeConfig
 from tidal_engine.spec_decode.ngram_proposer import NgramProposer
