@@ -250,3 +250,25 @@ def test_parse_spec_accepts_a_parsed_spec() -> None:
 def test_pooling_models_run_on_one_device() -> None:
     p = only({**BASE, "model": {**BASE["model"], "task": "embed"}, "parallelism": {"tensor": 2}})
     assert p.reason == "UnsupportedParallelism" and p.field == "spec.parallelism"
+
+
+def test_speculative_ngram_becomes_the_engine_flag() -> None:
+    import json
+
+    from tidal_operator.reconcile.manifests import engine_args
+
+    spec = {"model": {"uri": "bundled://smollm2-135m"},
+            "speculative": {"method": "ngram", "numSpeculativeTokens": 3, "promptLookupMax": 4}}
+    assert problems(spec) == []
+    argv = engine_args(spec, "smollm2")
+    config = json.loads(argv[argv.index("--speculative-config") + 1])
+    assert config == {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
+    assert "--speculative-config" not in engine_args({"model": {"uri": "bundled://smollm2-135m"}}, "smollm2")
+
+
+def test_speculative_bad_values_are_problems() -> None:
+    p = only({"model": {"uri": "bundled://smollm2-135m"},
+              "speculative": {"promptLookupMin": 5, "promptLookupMax": 2}})
+    assert p.field == "spec.speculative.promptLookupMax" and p.reason == "InvalidSpeculative"
+    assert problems({"model": {"uri": "bundled://smollm2-135m"}, "speculative": {"method": "draft"}})
+    assert problems({"model": {"uri": "bundled://smollm2-135m"}, "speculative": {"numSpeculativeTokens": 0}})

@@ -147,6 +147,20 @@ class FeaturesSpec(_Model):
     chunked_prefill: bool = True
 
 
+class SpeculativeSpec(_Model):
+    """Speculative decoding (docs/speculative-decoding.md) → the engine's --speculative-config.
+    Only n-gram (prompt lookup) today; the engine has no draft-model proposer yet."""
+
+    method: Literal["ngram"] = "ngram"
+    num_speculative_tokens: int = Field(default=4, ge=1, le=16)
+    prompt_lookup_min: int = Field(default=1, ge=1)
+    prompt_lookup_max: int = Field(default=3, ge=1)
+
+    def engine_config(self) -> dict[str, Any]:
+        return {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens,
+                "prompt_lookup_min": self.prompt_lookup_min, "prompt_lookup_max": self.prompt_lookup_max}
+
+
 class AutoscalingSpec(_Model):
     min_replicas: int = Field(default=0, ge=0)
     max_replicas: int = Field(ge=1)
@@ -237,6 +251,7 @@ class LLMServiceSpec(_Model):
     quantization: QuantizationSpec = Field(default_factory=QuantizationSpec)
     lora: LoraSpec | None = None  # absent: LoRA off (no --enable-lora)
     features: FeaturesSpec = Field(default_factory=FeaturesSpec)
+    speculative: SpeculativeSpec | None = None  # absent: no speculative decoding
     replicas: int | None = Field(default=None, ge=0)
     autoscaling: AutoscalingSpec | None = None
     sleep: SleepSpec | None = None  # absent: never sleeps (no --enable-sleep-mode)

@@ -96,6 +96,7 @@ def validate_spec(
     problems += _check_resources(parsed)
     problems += _check_scaling(parsed)
     problems += _check_sleep(parsed)
+    problems += _check_speculative(parsed)
     problems += _check_rollout(parsed)
     problems += _check_lora(parsed, config)
     problems += _check_pod_template(parsed)
@@ -223,6 +224,15 @@ def _check_rollout(spec: LLMServiceSpec) -> list[ValidationProblem]:
         return [ValidationProblem("spec.rollout", "maxSurge and maxUnavailable can't both be 0: a rollout "
                                   "could never replace a Pod", "InvalidRollout")]
     return []
+
+
+def _check_speculative(spec: LLMServiceSpec) -> list[ValidationProblem]:
+    s = spec.speculative
+    if s is None or s.prompt_lookup_min <= s.prompt_lookup_max:
+        return []
+    return [ValidationProblem("spec.speculative.promptLookupMax",
+                              f"({s.prompt_lookup_max}) must be >= promptLookupMin ({s.prompt_lookup_min})",
+                              "InvalidSpeculative")]
 
 
 def _check_sleep(spec: LLMServiceSpec) -> list[ValidationProblem]:

@@ -149,6 +149,8 @@ def engine_args(spec: LLMServiceSpec | Mapping[str, Any], name: str, config: Ope
         argv += ["--allowed-lora-roots", *dict.fromkeys(roots)]
     if s.sleep is not None or s.gpu_share is not None:  # a GPU-share member sleeps to make room
         argv.append("--enable-sleep-mode")
+    if s.speculative is not None:
+        argv += ["--speculative-config", json.dumps(s.speculative.engine_config(), separators=(",", ":"))]
     return argv + list(e.args)
 
 
@@ -166,7 +168,7 @@ def pod_affecting_spec(spec: LLMServiceSpec | Mapping[str, Any], config: Operato
     # a new defaulted field added in a later operator version doesn't roll every Pod.
     dump = s.model_dump(by_alias=True, exclude_defaults=True, mode="json")
     out = {k: dump[k] for k in ("model", "engine", "parallelism", "quantization", "features", "auth", "podTemplate",
-                                    "gpuShare") if k in dump}
+                                    "gpuShare", "speculative") if k in dump}
     if s.lora is not None:
         lora = s.lora.model_dump(by_alias=True, mode="json", exclude={"adapters"})
         out["lora"] = lora
