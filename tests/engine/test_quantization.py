@@ -142,3 +142,13 @@ def test_gptq_tensor_parallel_2_gives_the_single_rank_tokens(tmp_path: Path) -> 
         assert [o.outputs[0].token_ids for o in tp2.generate(prompts, params)] == single
     finally:
         tp2.engine.shutdown()
+
+
+@pytest.mark.parametrize("method", ["fp8", "awq", "gptq"])
+def test_dummy_load_format_fills_quantized_layers_through_the_quantizer(plain_dir: Path, tmp_path: Path,
+                                                                        method: str) -> None:
+    # Benchmarks of big shapes use --load-format dummy: random weights, quantized, nothing read.
+    write_quantized_checkpoint(plain_dir, tmp_path / "q", method)
+    model = load_model(resolve_model(str(tmp_path / "q")), torch.float32, "cpu", load_format="dummy")
+    logits = logits_of(model, list(range(3, 20)))
+    assert torch.isfinite(logits).all() and logits.std() > 0

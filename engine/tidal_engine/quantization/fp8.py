@@ -76,6 +76,19 @@ class Fp8LinearMethod(LinearMethod):
         scale.weight_loader = load_scale  # type: ignore[attr-defined]
         layer.register_parameter("weight_scale", scale)
 
+    def fill_dummy(self, layer: LinearBase, std: float, generator: torch.Generator) -> None:
+        """--load-format dummy: random N(0, std) weights (quantized per channel unless online,
+        where process_weights_after_loading quantizes them)."""
+        w = torch.randn(layer.out_features, layer.in_features, generator=generator, device=generator.device) * std
+        if self.online:
+            layer.weight.data.copy_(w)
+        else:
+            q, scale = quantize_rows(w)
+            layer.weight.data.copy_(q)
+            layer.weight_scale.data.copy_(scale)
+        if layer.bias is not None:
+            layer.bias.data.normal_(0.0, std, generator=generator)
+
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         if not self.online:
             return

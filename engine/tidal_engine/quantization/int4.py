@@ -93,6 +93,21 @@ class Int4LinearMethod(LinearMethod):
         layer.register_parameter("scales", _param(torch.empty(groups, out_features, dtype=scale_dtype), 1, 0,
                                                   input_pack=g))
 
+    def fill_dummy(self, layer: LinearBase, std: float, generator: torch.Generator) -> None:
+        """--load-format dummy: random N(0, std) weights through Tidal's quantizer."""
+        from tidal_engine.quantization.quantizer import quantize_tensor
+
+        w = torch.randn(layer.out_features, layer.in_features, generator=generator, device=generator.device) * std
+        parts, _ = quantize_tensor(self.fmt, w, self.group_size, symmetric=not self.has_zeros)
+        for name, t in parts.items():
+            if name in layer._parameters:
+                layer._parameters[name].data.copy_(t)
+        if "g_idx" in layer._parameters:  # the checkpoint's group numbers of this rank's input run
+            first = layer.input_range[0]
+            layer.g_idx.data.copy_((torch.arange(layer.in_features, device=w.device) + first) // self.group_size)
+        if layer.bias is not None:
+            layer.bias.data.normal_(0.0, std, generator=generator)
+
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         g = self.group_size
         order = AWQ_ORDER if self.fmt == "awq" else None
