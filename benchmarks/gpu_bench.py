@@ -34,6 +34,9 @@ dummy, no tokenizer, nothing written to disk but config.json):
                      gpu_memory_utilization budget holds; and (attention_sweep, --skip takes it)
                      the paged-attention kernel alone on layer 0's cache for KV split counts
                      1/2/4/8 and key tiles 32/64/128.
+Benchmarks (suite quant: weight quantization, issue 15; --load-format dummy, random weights through
+Tidal's quantizer, nothing on disk but config.json): quant_<format> for each of --quantization
+(default none,fp8): single_stream and throughput_fixed as above.
 Benchmarks (suite sampled: the issue-13 offline sampled workloads, t=0.8, top_p=0.95, top_k=50):
   throughput_fixed_sampled   256 requests of 256 -> 128, all submitted at once.
   throughput_long_sampled    256 requests of 32 -> 512, all submitted at once.
@@ -742,6 +745,34 @@ def suite_long_decode(shape: str, root: Path, results: dict[str, Any], save: Cal
     save()
 
 
+def suite_quant(shape: str, root: Path, results: dict[str, Any], save: Callable[[], None],
+                quantizations: list[str], skip: set[str]) -> None:
+    """Weight quantization (issue 15): per --quantization value, random weights through Tidal's
+    quantizer (--load-format dummy, nothing on disk but config.json), the single stream
+    128 -> 256 and the greedy 256 x (256 -> 128); then each format's ratio to the first."""
+    folder = make_config_folder(shape, root)
+    vocab = SHAPES[shape]["vocab_size"]
+    for quant in quantizations:
+        def run(quant: str = quant) -> dict[str, Any]:
+            llm, startup = make_llm(folder, load_format="dummy", skip_tokenizer_init=True,
+                                    quantization=None if quant == "none" else quant)
+            try:
+                r: dict[str, Any] = {"llm_construct_s": startup}
+                r["single_stream"] = bench_single_stream(llm, shape)
+                if "throughput_fixed" not in skip:
+                    counter = StepCounter(llm.engine.runner)
+                    r["throughput_fixed"] = bench_throughput(llm, shape, rand_prompts(256, [256] * 256, 1, vocab),
+                                                             [128] * 256, counter)
+                return r
+            finally:
+                llm.engine.shutdown()
+                del llm
+                free_cuda()
+
+        run_guarded(results, f"quant_{quant}", run, save)
+    save()
+
+
 def _construct_only(folder: Path) -> float:
     llm, t = make_llm(folder)
     del llm
@@ -821,7 +852,9 @@ def git_commit() -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", choices=sorted(SHAPES), required=True)
-    ap.add_argument("--suite", choices=["tidal", "hf", "smoke", "sampled", "long-decode"], required=True)
+    ap.add_argument("--suite", choices=["tidal", "hf", "smoke", "sampled", "long-decode", "quant"], required=True)
+    ap.add_argument("--quantization", default="none,fp8",
+                    help="suite quant: comma-separated weight formats to run (none = the run dtype)")
     ap.add_argument("--kv-cache-dtype", default="auto",
                     help="KV cache dtype of every LLM (auto, fp8); long-decode takes a list (auto,fp8) and "
                          "compares them")
@@ -855,6 +888,11 @@ def main() -> None:
     def save() -> None:
         out.write_text(json.dumps(results, indent=1, default=str))
 
+    if args.suite == "quant":
+        suite_quant(args.shape, Path(args.models), results, save, args.quantization.split(","),
+                    set(filter(None, args.skip.split(","))))
+        print("done", out, flush=True)
+        return
     if args.suite == "long-decode":
         suite_long_decode(args.shape, Path(args.models), results, save)
         save()
