@@ -8,20 +8,18 @@ import logging
 import signal
 import socket
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
-from tidal_engine import __version__
 from tidal_engine.engine.async_engine import EngineClient
 from tidal_engine.server.admin import build_admin_router
-from tidal_engine.server.auth import APIKeyMiddleware
-from tidal_engine.server.errors import ENGINE_UNAVAILABLE, bad_request, error_response, install_error_handlers
+from tidal_engine.server.base_app import create_base_app
+from tidal_engine.server.errors import bad_request
 from tidal_engine.server.metrics import CONTENT_TYPE, METRICS_PREFIXES, ServerMetrics
 from tidal_engine.server.request_log import RequestLogger
 from tidal_engine.server.responses import ResponsesServing
@@ -71,50 +69,12 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     if settings.log_requests:
         engine.add_finished_listener(RequestLogger(log_prompts=settings.log_prompts))
 
-    @contextlib.asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        engine.start()
-        yield
-        await engine.shutdown(settings.shutdown_timeout_s)
-
-    app = FastAPI(title="Tidal engine", version=__version__, lifespan=lifespan)
-    app.state.engine = engine
+    app = create_base_app("Tidal engine", engine, settings, stopped_message="The engine loop has stopped.",
+                          render_metrics=metrics.render, metrics_content_type=CONTENT_TYPE,
+                          list_models=lambda: serving.list_models().model_dump())
     app.state.serving = serving
     app.state.metrics = metrics
-    install_error_handlers(app)
     limit = settings.max_request_body_bytes
-
-    # Middleware added last runs first: CORS must see preflights before auth refuses them.
-    if settings.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key, protect_metrics=settings.protect_metrics)
-    app.add_middleware(
-        CORSMiddleware,
-        allow_origins=list(settings.allowed_origins),  # empty: no origin is allowed
-        allow_methods=["*"],
-        allow_headers=["*"],
-    )
-
-    @app.get("/health")
-    async def health() -> Response:
-        if not engine.is_healthy:
-            return error_response(503, "The engine loop has stopped.", ENGINE_UNAVAILABLE)
-        return Response(status_code=200)
-
-    @app.api_route("/ping", methods=["GET", "POST"])
-    async def ping() -> Response:
-        return await health()
-
-    @app.get("/version")
-    async def version() -> JSONResponse:
-        return JSONResponse({"version": __version__})
-
-    @app.get("/metrics")
-    async def prometheus_metrics() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
-
-    @app.get("/v1/models")
-    async def list_models() -> JSONResponse:
-        return JSONResponse(serving.list_models().model_dump())
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

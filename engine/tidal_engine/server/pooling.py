@@ -8,25 +8,22 @@ tokenized here, in the API process, and handed to the PoolingEngine as token ids
 from __future__ import annotations
 
 import base64
-import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from fastapi import FastAPI, Request
-from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
-from tidal_engine import __version__
 from tidal_engine.pooling.engine import EngineSleepingError, PoolingEngine
 from tidal_engine.pooling.params import PoolingParams
 from tidal_engine.pooling.runner import PoolingInput
 from tidal_engine.server.app import ServerSettings
-from tidal_engine.server.auth import APIKeyMiddleware
-from tidal_engine.server.errors import (ENGINE_UNAVAILABLE, NOT_FOUND, APIError, bad_request, engine_sleeping_error,
-                                        error_response, install_error_handlers, validation_error_to_api_error)
+from tidal_engine.server.base_app import create_base_app
+from tidal_engine.server.errors import (NOT_FOUND, APIError, bad_request, engine_sleeping_error,
+                                        validation_error_to_api_error)
 from tidal_engine.server.metrics import METRICS_PREFIXES
 from tidal_engine.server.pooling_metrics import PoolingMetrics
 from tidal_engine.server.pooling_protocol import (MAX_INPUTS, EmbeddingData, EmbeddingRequest, EmbeddingResponse,
@@ -232,41 +229,10 @@ def build_pooling_app(engine: PoolingEngine, settings: ServerSettings) -> FastAP
     metrics = PoolingMetrics(engine, names[0], METRICS_PREFIXES[settings.metrics_prefix])
     limit = settings.max_request_body_bytes
 
-    @contextlib.asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        engine.start()
-        yield
-        await engine.shutdown(settings.shutdown_timeout_s)
-
-    app = FastAPI(title="Tidal engine (pooling)", version=__version__, lifespan=lifespan)
-    app.state.engine = engine
-    install_error_handlers(app)
-    if settings.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key, protect_metrics=settings.protect_metrics)
-    app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins), allow_methods=["*"],
-                       allow_headers=["*"])
-
-    @app.get("/health")
-    async def health() -> Response:
-        if not engine.is_healthy:
-            return error_response(503, "The pooling engine has stopped.", ENGINE_UNAVAILABLE)
-        return Response(status_code=200)
-
-    @app.api_route("/ping", methods=["GET", "POST"])
-    async def ping() -> Response:
-        return await health()
-
-    @app.get("/version")
-    async def version() -> JSONResponse:
-        return JSONResponse({"version": __version__})
-
-    @app.get("/metrics")
-    async def prometheus_metrics() -> Response:
-        return Response(metrics.render(), media_type=metrics.content_type)
-
-    @app.get("/v1/models")
-    async def list_models() -> JSONResponse:
-        return JSONResponse(serving.list_models().model_dump())
+    app = create_base_app("Tidal engine (pooling)", engine, settings,
+                          stopped_message="The pooling engine has stopped.", render_metrics=metrics.render,
+                          metrics_content_type=metrics.content_type,
+                          list_models=lambda: serving.list_models().model_dump())
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> JSONResponse:

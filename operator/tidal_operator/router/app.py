@@ -9,7 +9,7 @@ import contextlib
 import logging
 import os
 import socket
-from typing import Any, AsyncIterator, Callable, Iterable, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence
 
 import httpx
 import uvicorn
