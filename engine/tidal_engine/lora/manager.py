@@ -42,6 +42,12 @@ class LoRASettings:
     max_cpu_loras: int | None = None  # None: max_loras
     allowed_roots: tuple[str, ...] = ()
 
+    @classmethod
+    def from_config(cls, config: Any) -> LoRASettings:
+        """The settings an EngineConfig asks for."""
+        return cls(max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
+                   max_cpu_loras=config.max_cpu_loras, allowed_roots=tuple(config.allowed_lora_roots or ()))
+
     def __post_init__(self) -> None:
         if self.max_loras < 1:
             raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
@@ -292,12 +298,7 @@ def create_lora_manager(model: torch.nn.Module, arch: Any, config: Any) -> LoRAM
     """The manager for an EngineConfig (None when LoRA is off): slots and hooks on ``model``."""
     if not getattr(config, "enable_lora", False):
         return None
-    settings = LoRASettings(
-        max_loras=config.max_loras,
-        max_lora_rank=config.max_lora_rank,
-        max_cpu_loras=config.max_cpu_loras,
-        allowed_roots=tuple(config.allowed_lora_roots or ()),
-    )
+    settings = LoRASettings.from_config(config)
     slots = LoRAModelSlots(model, settings.max_loras, settings.max_lora_rank)
     logger.info("LoRA enabled: %d slot(s) of rank %d, %.1f MiB of device memory",
                 settings.max_loras, settings.max_lora_rank, slots.num_bytes() / 2**20)
@@ -310,12 +311,7 @@ def create_lora_registry(arch: Any, config: Any) -> LoRAManager | None:
     own manager with slots, which the core's add/remove reach through the executor."""
     if not getattr(config, "enable_lora", False):
         return None
-    settings = LoRASettings(
-        max_loras=config.max_loras,
-        max_lora_rank=config.max_lora_rank,
-        max_cpu_loras=config.max_cpu_loras,
-        allowed_roots=tuple(config.allowed_lora_roots or ()),
-    )
+    settings = LoRASettings.from_config(config)
     return LoRAManager(BaseModelShape.from_arch(arch), settings, None)
 
 

@@ -44,7 +44,7 @@ from ..reconcile.status import desired_replicas, pod_stuck_reason
 from ..secret_refs import engine_api_key
 from .decide import Decision, Reading, ScalingState, decide_replicas, metric_value
 from .idle import IDLE_SINCE_ANNOTATION, LEVEL_OF_STATE, STATE_OF_LEVEL, IdleAction, ReplicaIdleView, plan_idle
-from .router_demand import LeaseDemandClient
+from .router_demand import CachedDemand, DemandTotals, LeaseDemandClient, add_held
 from .scraper import Scraper, ScrapeTarget
 
 log = logging.getLogger("tidal.scaling")
@@ -143,22 +143,19 @@ class NoDemand:
         return 0
 
 
-class RouterDemandClient:
+class RouterDemandClient(CachedDemand):
     """Sums `held` from every router's /debug/demand, cached for `ttl_s` so all LLMServices
     of one tick share one round of requests. Any router failing makes the demand unknown."""
 
     def __init__(self, urls: Sequence[str], *, api_key: str | None = None, timeout_s: float = 2.0,
                  ttl_s: float = 1.0, http: httpx.AsyncClient | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(ttl_s, clock)
         self.urls = tuple(u.rstrip("/") for u in urls)
         self._api_key = api_key
         self.timeout_s = timeout_s
-        self.ttl_s = ttl_s
-        self._clock = clock
         self._owns_http = http is None
         self._http = http or httpx.AsyncClient(timeout=timeout_s)
-        self._cache: tuple[float, dict[tuple[str, str], int] | None] | None = None
-        self._lock = asyncio.Lock()
 
     async def aclose(self) -> None:
         if self._owns_http:
@@ -179,20 +176,10 @@ class RouterDemandClient:
         answers = await asyncio.gather(*(one(u) for u in self.urls))
         if any(a is None for a in answers):
             return None
-        totals: dict[tuple[str, str], int] = {}
+        totals: DemandTotals = {}
         for answer in answers:
-            for d in answer or []:
-                key = (str(d.get("namespace")), str(d.get("llmservice")))
-                totals[key] = totals.get(key, 0) + int(d.get("held") or 0)
+            add_held(totals, answer or [])
         return totals
-
-    async def held(self, namespace: str, llmservice: str) -> int | None:
-        async with self._lock:
-            now = self._clock()
-            if self._cache is None or now - self._cache[0] >= self.ttl_s:
-                self._cache = (now, await self._fetch())
-            totals = self._cache[1]
-        return None if totals is None else totals.get((namespace, llmservice), 0)
 
 
 # --- pure helpers: status, history, events ------------------------------------------------------

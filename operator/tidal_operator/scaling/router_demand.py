@@ -42,35 +42,33 @@ def demand_from_leases(leases: Iterable[Mapping[str, Any]], now: datetime) -> di
         except ValueError:
             log.warning("Lease %s: unreadable %s annotation", meta.get("name"), L.HELD_DEMAND)
             continue
-        for d in held if isinstance(held, list) else []:
-            if isinstance(d, Mapping):
-                key = (str(d.get("namespace")), str(d.get("llmservice")))
-                totals[key] = totals.get(key, 0) + int(d.get("held") or 0)
+        add_held(totals, held if isinstance(held, list) else [])
     return totals
 
 
-class LeaseDemandClient:
-    """DemandSource over the routers' Leases in one namespace."""
+def add_held(totals: dict[tuple[str, str], int], entries: Iterable[Any]) -> None:
+    """Adds one router's [{namespace, llmservice, held}] to `totals` (in place)."""
+    for d in entries:
+        if isinstance(d, Mapping):
+            key = (str(d.get("namespace")), str(d.get("llmservice")))
+            totals[key] = totals.get(key, 0) + int(d.get("held") or 0)
 
-    def __init__(self, request: Callable[..., Awaitable[Any]], namespace: str, *, ttl_s: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic,
-                 now: Callable[[], datetime] = lambda: datetime.now(timezone.utc)) -> None:
-        self.request = request  # Kube.request
-        self.namespace = namespace
+
+DemandTotals = dict[tuple[str, str], int]
+
+
+class CachedDemand:
+    """A DemandSource whose totals for every LLMService come from one `_fetch`, cached for
+    `ttl_s` so all LLMServices of one tick share it. `_fetch` gives None when unknown."""
+
+    def __init__(self, ttl_s: float, clock: Callable[[], float]) -> None:
         self.ttl_s = ttl_s
         self._clock = clock
-        self._now = now
-        self._cache: tuple[float, dict[tuple[str, str], int] | None] | None = None
+        self._cache: tuple[float, DemandTotals | None] | None = None
         self._lock = asyncio.Lock()
 
-    async def _fetch(self) -> dict[tuple[str, str], int] | None:
-        try:
-            listing = await self.request("GET", f"/apis/coordination.k8s.io/v1/namespaces/{self.namespace}/leases",
-                                          query={"labelSelector": L.ROUTER_DEMAND})
-        except Exception as exc:
-            log.info("router demand Leases in %s unknown: %r", self.namespace, exc)
-            return None
-        return demand_from_leases(listing.get("items") or [], self._now())
+    async def _fetch(self) -> DemandTotals | None:
+        raise NotImplementedError
 
     async def held(self, namespace: str, llmservice: str) -> int | None:
         async with self._lock:
@@ -79,3 +77,24 @@ class LeaseDemandClient:
                 self._cache = (now, await self._fetch())
             totals = self._cache[1]
         return None if totals is None else totals.get((namespace, llmservice), 0)
+
+
+class LeaseDemandClient(CachedDemand):
+    """DemandSource over the routers' Leases in one namespace."""
+
+    def __init__(self, request: Callable[..., Awaitable[Any]], namespace: str, *, ttl_s: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic,
+                 now: Callable[[], datetime] = lambda: datetime.now(timezone.utc)) -> None:
+        super().__init__(ttl_s, clock)
+        self.request = request  # Kube.request
+        self.namespace = namespace
+        self._now = now
+
+    async def _fetch(self) -> DemandTotals | None:
+        try:
+            listing = await self.request("GET", f"/apis/coordination.k8s.io/v1/namespaces/{self.namespace}/leases",
+                                          query={"labelSelector": L.ROUTER_DEMAND})
+        except Exception as exc:
+            log.info("router demand Leases in %s unknown: %r", self.namespace, exc)
+            return None
+        return demand_from_leases(listing.get("items") or [], self._now())

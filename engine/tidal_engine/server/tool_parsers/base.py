@@ -123,3 +123,19 @@ def json_values(text: str, separators: str = ",;") -> tuple[list[Any], str]:
             return values, text[pos:]
         values.append(value)
         pos = end
+
+
+def calls_from_json_values(body: str, separators: str, final: bool,
+                           closing: str = "") -> list[ParsedToolCall] | None:
+    """Tool calls from JSON objects joined by `separators` (and ended by `closing` once final).
+    None when the text is not such calls; while streaming, the complete calls so far."""
+    values, rest = json_values(body, separators=separators)
+    calls: list[ParsedToolCall] = []
+    for value in values:
+        call = call_from_object(value)
+        if call is None:
+            return None if final else calls
+        calls.append(call)
+    if final and rest.strip() != closing:
+        return None
+    return calls

@@ -9,8 +9,7 @@ from tidal_engine.server.tool_parsers.base import (
     ParsedToolCall,
     ToolParser,
     arguments_json,
-    call_from_object,
-    json_values,
+    calls_from_json_values,
 )
 
 TOOL_CALLS = "[TOOL_CALLS]"
@@ -28,21 +27,8 @@ class MistralToolParser(ToolParser):
     def calls_in(self, region: str, final: bool) -> list[ParsedToolCall] | None:
         body = region[len(TOOL_CALLS):].lstrip()
         if body.startswith("["):
-            return self._json_list(body[1:], final)
+            return calls_from_json_values(body[1:], ",", final, closing="]")
         return self._named(region, final)
-
-    @staticmethod
-    def _json_list(body: str, final: bool) -> list[ParsedToolCall] | None:
-        values, rest = json_values(body, separators=",")
-        calls: list[ParsedToolCall] = []
-        for value in values:
-            call = call_from_object(value)
-            if call is None:
-                return None if final else calls
-            calls.append(call)
-        if final and rest.strip() != "]":
-            return None
-        return calls
 
     @staticmethod
     def _named(region: str, final: bool) -> list[ParsedToolCall] | None:
