@@ -27,7 +27,7 @@ def main() -> None:
     out: dict[str, object] = {"commit": os.environ.get("TIDAL_COMMIT"), "date": os.environ.get("TIDAL_BENCH_DATE")}
     for dtype in ("float32", "bfloat16"):
         for eager in (True, False):
-            llm = LLM(str(folder), dtype=dtype, device="cuda", max_model_len=256, enforce_eager=eager,
+            llm = LLM(str(folder), dtype=dtype, device="cuda", max_model_len=256, enforce_eager=eager, gpu_memory_utilization=0.1,
                       speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3})
             core = llm.engine.core
             proposer, core.proposer = core.proposer, None
