@@ -24,7 +24,7 @@ from tidal_operator import labels as L
 from tidal_operator.router.gpu_share import Member, plan_switch
 from tidal_operator.router.picker import LoadTracker
 from tidal_operator.router.registry import Key, ModelEntry, Registry
-from tidal_operator.router.waker import DemandBook, Waker
+from tidal_operator.router.waker import DemandBook, Waker, cancel_and_wait
 
 log = logging.getLogger("tidal.router.group_switch")
 
@@ -67,13 +67,7 @@ class GroupSwitcher:
         return task
 
     async def close(self) -> None:
-        for task in self._tasks.values():
-            task.cancel()
-        for task in self._tasks.values():
-            try:
-                await task
-            except BaseException:
-                pass
+        await cancel_and_wait(self._tasks.values())
 
     # --- the group's state ------------------------------------------------------------------
     def members(self, entry: ModelEntry) -> list[Member]:

@@ -20,6 +20,7 @@ import socket
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from collections.abc import Iterable
 from typing import Any, Protocol
 
 import httpx
@@ -163,13 +164,7 @@ class Waker:
         return await self._wake(entry)
 
     async def close(self) -> None:
-        for task in self._tasks.values():
-            task.cancel()
-        for task in self._tasks.values():
-            try:
-                await task
-            except BaseException:
-                pass
+        await cancel_and_wait(self._tasks.values())
 
     async def _wake(self, entry: ModelEntry) -> bool:
         deadline = time.monotonic() + self.wake_timeout_s
@@ -285,3 +280,15 @@ class DemandBook:
 
     def snapshot(self) -> list[dict[str, Any]]:
         return [d.as_json() for _, d in sorted(self.by_service.items())]
+
+
+async def cancel_and_wait(tasks: Iterable[asyncio.Task[Any]]) -> None:
+    """Cancels every task and waits until each has ended, whatever it ended with."""
+    tasks = list(tasks)
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        try:
+            await task
+        except BaseException:
+            pass
