@@ -17,6 +17,9 @@ from prometheus_client.parser import text_string_to_metric_families
 log = logging.getLogger("tidal.engine_client")
 
 PREFIX = "tidal:"
+# An engine started with `--metrics-prefix vllm` writes the same families under vLLM's names;
+# the parser reads either, so autoscaling, idle and the router's load work with both.
+ENGINE_PREFIXES = ("tidal:", "vllm:")
 RUNNING = PREFIX + "num_requests_running"
 WAITING = PREFIX + "num_requests_waiting"
 KV_CACHE_USAGE = PREFIX + "kv_cache_usage_perc"
@@ -66,17 +69,26 @@ class EngineMetrics:
         sleep_level: int | None = None
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                if sample.name == SLEEP_STATE:
+                name = _tidal_name(sample.name)
+                if name == SLEEP_STATE:
                     if sample.value >= 1 and sample.labels.get("sleep_state") in SLEEP_LEVELS:
                         sleep_level = max(sleep_level or 0, SLEEP_LEVELS[sample.labels["sleep_state"]])
                     continue
-                if sample.name in (RUNNING, WAITING, KV_CACHE_USAGE, *ACTIVITY_COUNTERS):
-                    sums[sample.name] = sums.get(sample.name, 0.0) + float(sample.value)
+                if name in (RUNNING, WAITING, KV_CACHE_USAGE, *ACTIVITY_COUNTERS):
+                    sums[name] = sums.get(name, 0.0) + float(sample.value)
         activity = None
         if any(c in sums for c in ACTIVITY_COUNTERS):
             activity = sum(sums.get(c, 0.0) for c in ACTIVITY_COUNTERS)
         return cls(running=sums.get(RUNNING), waiting=sums.get(WAITING), kv_cache_usage=sums.get(KV_CACHE_USAGE),
                    sleep_level=sleep_level, activity=activity)
+
+
+def _tidal_name(name: str) -> str:
+    """A series name under the `tidal:` prefix, whichever engine prefix it was written with."""
+    for prefix in ENGINE_PREFIXES:
+        if name.startswith(prefix):
+            return PREFIX + name[len(prefix):]
+    return name
 
 
 class EngineClient:

@@ -144,8 +144,9 @@ AUTOSCALING = {"minReplicas": 1, "maxReplicas": 3, "metric": "requestsInFlight",
                "scaleDownDelaySeconds": 30}
 
 
-async def test_burst_scales_up_with_reason_history_event_and_replan(cluster: Cluster) -> None:
-    engine = ScalingTestEngine(running=4, waiting=5)
+@pytest.mark.parametrize("prefix", ["tidal:", "vllm:"])  # the engine's --metrics-prefix
+async def test_burst_scales_up_with_reason_history_event_and_replan(cluster: Cluster, prefix: str) -> None:
+    engine = ScalingTestEngine(running=4, waiting=5, metrics_prefix=prefix)
     replans: list[tuple[str, str]] = []
 
     async def on_change(ns: str, name: str) -> None:
@@ -215,8 +216,9 @@ async def test_unknown_scrape_blocks_scale_down(cluster: Cluster) -> None:
             assert (await scaler.tick()).decision.desired == 1
 
 
-async def test_idle_replica_sleeps_deepens_then_goes_to_zero(cluster: Cluster) -> None:
-    engine = ScalingTestEngine()
+@pytest.mark.parametrize("prefix", ["tidal:", "vllm:"])  # the engine's --metrics-prefix
+async def test_idle_replica_sleeps_deepens_then_goes_to_zero(cluster: Cluster, prefix: str) -> None:
+    engine = ScalingTestEngine(metrics_prefix=prefix)
     async with engines(engine) as port:
         await cluster.llm("m", port=port, status={"desiredReplicas": 1},
                           autoscaling={**AUTOSCALING, "minReplicas": 0},

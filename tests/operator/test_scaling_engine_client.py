@@ -42,6 +42,7 @@ class ScalingTestEngine:
     sleep_enabled: bool = True
     metrics_status: int = 200
     metrics_delay_s: float = 0.0
+    metrics_prefix: str = "tidal:"  # "vllm:": an engine started with --metrics-prefix vllm
     sleep_gate: asyncio.Event | None = None  # /sleep waits for it (a drain in progress)
     calls: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     auth_seen: list[str | None] = field(default_factory=list)
@@ -70,7 +71,7 @@ class ScalingTestEngine:
             "# HELP tidal:generation_tokens Tokens generated.", "# TYPE tidal:generation_tokens counter",
             f"tidal:generation_tokens_total{{{m}}} 0.0",
         ]
-        return "\n".join(lines) + "\n"
+        return "\n".join(line.replace("tidal:", self.metrics_prefix) for line in lines) + "\n"
 
     def app(self) -> FastAPI:
         app = FastAPI()
@@ -213,8 +214,9 @@ async def test_unreachable_and_slow_engines_raise_engine_error() -> None:
             await client.metrics(timeout_s=0.2)
 
 
-async def test_metrics_are_parsed() -> None:
-    engine = ScalingTestEngine(running=3, waiting=2, kv=0.25, tokens=40, sleep_level=1)
+@pytest.mark.parametrize("prefix", ["tidal:", "vllm:"])
+async def test_metrics_are_parsed(prefix: str) -> None:
+    engine = ScalingTestEngine(running=3, waiting=2, kv=0.25, tokens=40, sleep_level=1, metrics_prefix=prefix)
     async with serve_engine(engine) as e, EngineClient(e.url, KEY) as client:
         m = await client.metrics()
     assert m == EngineMetrics(running=3, waiting=2, kv_cache_usage=0.25, sleep_level=1, activity=40)
@@ -231,8 +233,10 @@ def test_parse_sums_label_sets_and_tolerates_missing_series() -> None:
     assert EngineMetrics.parse("").in_flight is None
 
 
-def test_parse_reads_the_real_engines_exposition() -> None:
-    """The names the parser reads are the ones the engine's collector writes."""
+@pytest.mark.parametrize("prefix", ["tidal:", "vllm:"])
+def test_parse_reads_the_real_engines_exposition(prefix: str) -> None:
+    """The names the parser reads are the ones the engine's collector writes, under either
+    `--metrics-prefix`."""
     pytest.importorskip("tidal_engine")
     from prometheus_client import CollectorRegistry, generate_latest
 
@@ -243,8 +247,10 @@ def test_parse_reads_the_real_engines_exposition() -> None:
                             num_preemptions=0)
     fake = SimpleNamespace(snapshot=SimpleNamespace(stats=stats, peak_running=4, sleep_level=2))
     registry = CollectorRegistry()
-    registry.register(_EngineStatsCollector(fake, "smollm2"))  # type: ignore[arg-type]
-    m = EngineMetrics.parse(generate_latest(registry).decode())
+    registry.register(_EngineStatsCollector(fake, "smollm2", prefix))  # type: ignore[arg-type]
+    text = generate_latest(registry).decode()
+    assert f"{prefix}num_requests_running" in text
+    m = EngineMetrics.parse(text)
     assert m == EngineMetrics(running=4, waiting=6, kv_cache_usage=0.5, sleep_level=2, activity=120)
 
 
