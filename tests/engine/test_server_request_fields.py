@@ -259,3 +259,30 @@ def test_echo_with_logprobs_starts_with_the_prompt(client: httpx.Client) -> None
     assert logprobs["token_logprobs"][num_prompt:] == plain["token_logprobs"]
     assert logprobs["text_offset"][num_prompt] == len(prompt)
     assert data["choices"][0]["text"].startswith(prompt)
+
+
+def test_greedy_outputs_under_generation_config_vllm_are_unchanged(client: httpx.Client, tmp_path: Path) -> None:
+    """A checkpoint whose generation_config.json sets sampling defaults (among them a repetition
+    "penalty" below 1, which pulls the prompt's tokens into a greedy output): `--generation-config
+    vllm` ignores the file, so greedy requests give the plain model's tokens; `auto` applies it to
+    the fields a request leaves out."""
+    from test_server_support import tiny_model_dir
+
+    from tidal_engine.server.generation_config import load_sampling_defaults
+
+    model = tmp_path / "model"
+    model.mkdir()
+    for item in Path(tiny_model_dir()).iterdir():
+        (model / item.name).symlink_to(item)
+    (model / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.7, "top_k": 3, "repetition_penalty": 0.05, "max_new_tokens": 7}))
+    body = {"prompt": "hello hello hello", "temperature": 0, "max_tokens": 12, "ignore_eos": True}
+    plain = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    served: dict[str, str] = {}
+    for mode in ("vllm", "auto"):
+        defaults = load_sampling_defaults(mode, str(model))
+        with live_server(engine={"model": str(model)}, generation_config=mode, default_sampling=defaults) as live, \
+                live.client() as c:
+            served[mode] = c.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    assert served["vllm"] == plain
+    assert served["auto"] != plain  # the file's repetition_penalty reaches greedy requests under auto
