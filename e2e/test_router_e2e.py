@@ -151,6 +151,36 @@ def test_auth_no_key_and_wrong_key_401_right_key_200(real_stack: Any, models: No
                       headers={"authorization": f"Bearer {real_stack.api_key}"}).status_code == 401
 
 
+def test_a_labelled_secret_opens_its_namespace_only_until_it_is_deleted(real_stack: Any, models: None) -> None:
+    # Namespace client keys found by label: the operator copies them into the router's
+    # namespace (a 10 s round), the router watches the copies. alpha and beta live in default.
+    url, tenant_key, other_key = real_stack.router_url, "e2e-tenant-default", "e2e-tenant-team-x"
+    docs = [{"apiVersion": "v1", "kind": "Secret", "stringData": {"app": key},
+             "metadata": {"name": "tenant-keys", "namespace": ns, "labels": {"tidal.dev/client-keys": "true"}}}
+            for ns, key in (("default", tenant_key), ("team-x", other_key))]
+    real_stack.kubectl("apply", "-f", "-", input="\n---\n".join(yaml.safe_dump(d) for d in docs))
+
+    def listed(key: str) -> list[str] | None:
+        r = httpx.get(f"{url}/v1/models", headers={"authorization": f"Bearer {key}"}, timeout=10)
+        return sorted(m["id"] for m in r.json()["data"]) if r.status_code == 200 else None
+
+    def chat(key: str) -> httpx.Response:
+        return httpx.post(f"{url}/v1/chat/completions", timeout=60, headers={"authorization": f"Bearer {key}"},
+                          json={"model": BETA, "messages": rs.messages("Say hi."), "max_tokens": 2})
+
+    real_stack.wait_for(lambda: listed(tenant_key) is not None and listed(other_key) is not None, 40,
+                        "both labelled Secrets' keys accepted by the router")
+    assert {ALPHA, BETA} <= set(listed(tenant_key) or [])
+    assert listed(other_key) == []  # team-x has no models, and sees none of default's
+    assert chat(other_key).status_code == 404
+    assert chat(tenant_key).status_code == 200
+    real_stack.kubectl("delete", "secret", "tenant-keys", "-n", "default")
+    real_stack.wait_for(lambda: listed(tenant_key) is None, 40, "the deleted Secret's key revoked")
+    assert chat(tenant_key).status_code == 401
+    assert listed(other_key) == []
+    real_stack.kubectl("delete", "secret", "tenant-keys", "-n", "team-x")
+
+
 def test_tools_and_responses_pass_through_the_router(real_stack: Any, models: None) -> None:
     """Tool calls (tool_choice required, plain and streamed) and the Responses API
     (responses.create and responses.stream) reach the engine through the router unchanged."""

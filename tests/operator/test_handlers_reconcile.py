@@ -479,7 +479,10 @@ async def test_the_router_gets_copies_of_engine_and_namespace_keys_in_its_own_na
     engine = found[f"tidal-engine-key-{llm['metadata']['uid']}"]
     assert engine["data"] == {"api-key": b64("engine-secret")}
     assert engine["metadata"]["annotations"]["tidal.dev/source-secret"] == f"{NS}/m-key"
-    assert found[f"tidal-client-keys-{NS}"]["data"] == {"alice": b64("tenant-key")}
+    # The deprecated fixed name, without the label, is still copied (as its source says).
+    tenant = next(s for s in found.values() if s["metadata"]["labels"][ROUTER_SECRET] == "client-keys")
+    assert tenant["data"] == {"alice": b64("tenant-key")}
+    assert tenant["metadata"]["annotations"]["tidal.dev/namespace"] == NS
     # Rotation reaches the copy; a deleted source removes it.
     await kube.request("PATCH", f"/api/v1/namespaces/{NS}/secrets/m-key", content_type="application/merge-patch+json",
                        body={"data": {"api-key": b64("rotated")}})

@@ -157,10 +157,12 @@ Its own calls are the Kube class (operator/tidal_operator/kube.py); kopf adds wa
 - apiGroups: ["keda.sh"]
   resources: ["scaledobjects"]
   verbs: ["get", "create", "patch", "delete"]
-# Read-only: that referenced Secrets exist, and the engine key the autoscaler scrapes /metrics with.
+# Read-only: that referenced Secrets exist, and the engine key the autoscaler scrapes /metrics with
+# (get); the tenants' client-key Secrets, found by their label tidal.dev/client-keys=true (list),
+# which it copies for the router into the release namespace.
 - apiGroups: [""]
   resources: ["secrets"]
-  verbs: ["get"]
+  verbs: ["get", "list"]
 # Events on LLMServices (the operator's and kopf's: core/v1 only).
 - apiGroups: [""]
   resources: ["events"]

@@ -1,9 +1,10 @@
 """Client keys: router-wide ones (platform admins: every model, every path) and namespace-scoped
 ones (a tenant: only the models of its namespace, only the OpenAI paths and /v1/models).
 
-A namespace's keys are every value of the Secret named `tidal-client-keys` in that namespace.
-The router never reads it there: the operator copies it into the router's namespace
-(controller/router_secrets.py), where the router watches the copies (registry.KeyCopies).
+A namespace's keys are every value of every Secret labelled `tidal.dev/client-keys: "true"` in
+that namespace (deprecated: also the Secret named `tidal-client-keys`). The router never reads
+them there: the operator copies them into the router's namespace, annotated with their source
+namespace (controller/router_secrets.py), where the router watches the copies (registry.KeyCopies).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tidal_operator.router.proxy import AUTHENTICATION, error_body, send_json
 
-TENANT_KEYS_SECRET = "tidal-client-keys"
 SCOPE_KEY = "tidal.namespaces"  # in the ASGI scope: the namespaces a tenant key opens (absent: all)
 
 

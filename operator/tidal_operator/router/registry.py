@@ -506,8 +506,9 @@ class KeyCopies:
                 if value:
                     engine[SecretRef(namespace, name, annotations.get(SOURCE_KEY) or DEFAULT_API_KEY_KEY)] = value
             elif kind == "client-keys" and annotations.get(NAMESPACE_ANNOTATION):
+                # Several Secrets may hold one namespace's keys; each opens that namespace only.
                 values = [decode_secret_value(obj, k) for k in sorted((obj.get("data") or {}))]
-                tenants[annotations[NAMESPACE_ANNOTATION]] = [v for v in values if v]
+                tenants.setdefault(annotations[NAMESPACE_ANNOTATION], []).extend(v for v in values if v)
         for ref in self.registry.secret_refs() - engine.keys():
             self.registry.set_secret(ref, None)
         for ref, value in engine.items():
