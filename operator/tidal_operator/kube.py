@@ -34,6 +34,7 @@ COMPONENT = "tidal-operator"
 # each owns its own fields and conditions (the CRD lists conditions as a map keyed by type).
 MANAGER_RECONCILER = "tidal-operator"
 MANAGER_ADAPTERS = "tidal-operator-adapters"
+MANAGER_AUTOSCALER = "tidal-operator-autoscaler"
 
 
 class ApiError(Exception):

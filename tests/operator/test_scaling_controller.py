@@ -18,7 +18,7 @@ from fastapi import FastAPI
 
 from tidal_operator import labels as L
 from tidal_operator.dev import start_apiserver, write_kubeconfig
-from tidal_operator.kube import Kube
+from tidal_operator.kube import MANAGER_ADAPTERS, MANAGER_AUTOSCALER, MANAGER_RECONCILER, Kube
 from tidal_operator.scaling.controller import (
     AutoscalerRuntime, KubeClusterApi, RouterDemandClient, ScalingConfig, ServiceAutoscaler, parse_ts,
 )
@@ -167,6 +167,43 @@ async def test_burst_scales_up_with_reason_history_event_and_replan(cluster: Clu
     assert any(r == "ScaledUp" and "1 -> 3" in m for r, m in await cluster.events("m"))
     assert replans == [(NS, "m")]
     assert set(engine.auth_seen) == {f"Bearer {KEY}"}  # scraped with the key from the Secret
+
+
+async def test_the_autoscaler_applies_its_own_fields_and_leaves_other_managers_alone(cluster: Cluster) -> None:
+    """Server-side apply as its own field manager: the reconcile's and the adapter sync's
+    fields and conditions stay as they were, and its own fields are recorded as its own."""
+    engine = ScalingTestEngine(running=4, waiting=5)
+    async with engines(engine) as port:
+        await cluster.llm("m", port=port, autoscaling=AUTOSCALING)
+        ready = {"type": "Ready", "status": "True", "reason": "ReplicasReady", "lastTransitionTime": "2025-06-15T00:00:00Z"}
+        adapters = {"type": "AdaptersReady", "status": "True", "reason": "NoAdapters",
+                    "lastTransitionTime": "2025-06-15T00:00:00Z"}
+        await cluster.kube.apply_llmservice_status(NS, "m", {"phase": "Ready", "sleepingReplicas": 0,
+                                                             "conditions": [ready]}, manager=MANAGER_RECONCILER)
+        await cluster.kube.apply_llmservice_status(NS, "m", {"adapters": [], "conditions": [adapters]},
+                                                   manager=MANAGER_ADAPTERS)
+        await cluster.pod("m", 0, "127.0.0.2")
+        async with scaler_for(cluster, "m", Clock()) as scaler:
+            assert (await scaler.tick()).decision.desired == 3
+            assert (await scaler.tick()).status_patch is None  # nothing changed: no write
+    llm = await cluster.kube.get_llmservice(NS, "m")
+    status = llm["status"]
+    assert status["desiredReplicas"] == 3 and status["scalingHistory"][-1]["to"] == 3
+    assert status["phase"] == "Ready" and status["adapters"] == []
+    assert status["conditions"] == [ready, adapters]
+    owned = {e["manager"]: e for e in llm["metadata"]["managedFields"] if e.get("subresource") == "status"}
+    mine = owned[MANAGER_AUTOSCALER]
+    assert mine["operation"] == "Apply"
+    assert {"f:desiredReplicas", "f:lastScaleTime", "f:scalingHistory", "f:sleepingReplicas"} \
+        <= set(mine["fieldsV1"]["f:status"])
+    assert "f:conditions" not in mine["fieldsV1"]["f:status"]
+    assert "f:phase" in owned[MANAGER_RECONCILER]["fieldsV1"]["f:status"]
+
+    # The reconcile's next apply, without the autoscaler's fields, removes none of them.
+    await cluster.kube.apply_llmservice_status(NS, "m", {"phase": "Progressing", "sleepingReplicas": 0,
+                                                         "conditions": [ready]}, manager=MANAGER_RECONCILER)
+    status = await cluster.status("m")
+    assert status["desiredReplicas"] == 3 and status["lastScaleTime"] and len(status["scalingHistory"]) == 1
 
 
 async def test_scale_down_waits_for_the_delay_and_survives_a_restart(cluster: Cluster) -> None:

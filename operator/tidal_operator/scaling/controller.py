@@ -8,8 +8,9 @@ autoscaling or a sleep policy. Each tick:
 2. scrapes every Ready Pod's /metrics (shared Scraper: bounded, timed out, None = unknown)
    and asks the routers for held demand;
 3. builtin mode: `decide.decide_replicas`; every mode with a sleep policy: `idle.plan_idle`;
-4. writes `status.desiredReplicas`, `lastScaleTime`, `scalingHistory`, `sleepingReplicas`
-   (status only: never `spec`, so Argo CD / Flux see no drift) and an Event per decision;
+4. applies `status.desiredReplicas`, `lastScaleTime`, `scalingHistory`, `sleepingReplicas`
+   with server-side apply as its own field manager (status only: never `spec`, so Argo CD /
+   Flux see no drift) and posts an Event per decision;
 5. sleeps / wakes engines through their API and keeps each Pod's `tidal.dev/sleep-state`
    label and `tidal.dev/idle-since` annotation true.
 
@@ -38,6 +39,7 @@ from .. import labels as L
 from ..api.types import LLMServiceSpec
 from ..api.validation import parse_spec
 from ..engine_client import EngineClient, EngineError, EngineMetrics
+from ..kube import MANAGER_AUTOSCALER
 from ..loops import run_rounds
 from ..reconcile.pods import PodView, parse_time
 from ..reconcile.status import desired_replicas, pod_stuck_reason
@@ -99,7 +101,6 @@ class ClusterApi(Protocol):
     async def get_llmservice(self, namespace: str, name: str) -> dict[str, Any] | None: ...
     async def list_llmservices(self, namespace: str | None = None) -> list[dict[str, Any]]: ...
     async def list_pods(self, namespace: str, label_selector: str) -> list[dict[str, Any]]: ...
-    async def patch_llmservice_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> Any: ...
     async def apply_llmservice_status(self, namespace: str, name: str, status: Mapping[str, Any], *,
                                       manager: str) -> Any: ...
     async def patch_pod(self, namespace: str, name: str, patch: Mapping[str, Any]) -> None: ...
@@ -193,6 +194,21 @@ def append_history(history: Sequence[Mapping[str, Any]] | None, entry: Mapping[s
     """The last `limit` entries, newest last."""
     kept = [dict(e) for e in (history or [])][-(limit - 1):] if limit > 1 else []
     return kept + [dict(entry)]
+
+
+def autoscaler_status(status: Mapping[str, Any], decision: Decision | None, sleeping: int, now: float,
+                      limit: int = HISTORY_LIMIT) -> dict[str, Any] | None:
+    """The autoscaler's status fields, all of them, for a server-side apply (a field a manager
+    owns and leaves out is removed); None when none of them changes. desiredReplicas only with
+    a decision (builtin mode): otherwise the reconcile owns it."""
+    out: dict[str, Any] = {"sleepingReplicas": sleeping}
+    out.update({k: status[k] for k in ("lastScaleTime", "scalingHistory") if k in status})
+    if decision is not None:
+        out["desiredReplicas"] = decision.desired
+        if decision.changed:
+            out["lastScaleTime"] = format_ts(now)
+            out["scalingHistory"] = append_history(status.get("scalingHistory"), history_entry(decision, now), limit)
+    return None if all(status.get(k) == v for k, v in out.items()) else out
 
 
 @dataclass
@@ -351,29 +367,21 @@ class ServiceAutoscaler:
             elif x.kind == "remove":
                 levels.pop(x.pod, None)
         self._levels = dict(levels)
-        patch: dict[str, Any] = {}
         sleeping = sum(1 for level in levels.values() if level > 0)
-        if status.get("sleepingReplicas") != sleeping:
-            patch["sleepingReplicas"] = sleeping
-        if decision is not None:
-            if decision.changed:
-                patch["lastScaleTime"] = format_ts(now)
-                patch["scalingHistory"] = append_history(status.get("scalingHistory"), history_entry(decision, now),
-                                                         self.config.history_limit)
-            if decision.changed or status.get("desiredReplicas") != decision.desired:
-                patch["desiredReplicas"] = decision.desired
+        applied = autoscaler_status(status, decision, sleeping, now, self.config.history_limit)
         if decision is not None:
             # Before the write: a reconcile running meanwhile asks for it (Reconciler.desired_replicas).
             self.desired = decision.desired
-        if patch:
-            await self.cluster.patch_llmservice_status(self.namespace, self.name, patch)
-            result.status_patch = patch
+        if applied:
+            await self.cluster.apply_llmservice_status(self.namespace, self.name, applied, manager=MANAGER_AUTOSCALER)
+            result.status_patch = applied
         if decision is not None and decision.changed:
             verb = "ScaledUp" if decision.desired > decision.previous else "ScaledDown"
             log.info("%s/%s: %d -> %d: %s", self.namespace, self.name, decision.previous, decision.desired,
                      decision.reason)
             await self._event(llm, verb, f"{decision.previous} -> {decision.desired}: {decision.reason}")
-        if "desiredReplicas" in patch and self.on_change is not None:
+        desired_written = decision is not None and (decision.changed or status.get("desiredReplicas") != decision.desired)
+        if desired_written and self.on_change is not None:
             try:
                 await self.on_change(self.namespace, self.name)
             except Exception as exc:  # the resync catches up
