@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from pathlib import Path
 from typing import Any, AsyncIterator
 
@@ -29,7 +30,13 @@ CRDS = Path(__file__).resolve().parents[2] / "crds"
 
 @pytest.fixture
 async def api_client(tmp_path: Path) -> AsyncIterator[Any]:
-    handle = await dev.start_apiserver(crd_dir=CRDS)
+    async with client_of_a_new_apiserver(tmp_path) as client:
+        yield client
+
+
+@contextlib.asynccontextmanager
+async def client_of_a_new_apiserver(tmp_path: Path, **server: Any) -> AsyncIterator[Any]:
+    handle = await dev.start_apiserver(crd_dir=CRDS, **server)
     path = dev.write_kubeconfig(tmp_path / "kubeconfig", handle.url)
     configuration = k8s.Configuration()
     await k8s_config.load_kube_config(config_file=str(path), client_configuration=configuration)
@@ -93,6 +100,42 @@ async def test_watcher_fills_the_registry_and_follows_changes(api_client: Any) -
         await wait_until(lambda: registry.lookup("smol") is None)
     finally:
         await watcher.stop()
+
+
+async def test_a_watch_resuming_from_an_expired_version_relists_and_follows_on(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """410 Gone: a quiet Pod watch resumes (every watch_timeout_s) from a resourceVersion that
+    other traffic pushed out of the server's history (20 changes here, no bookmarks): the
+    watcher relists and keeps following."""
+    caplog.set_level(logging.INFO, logger="tidal.router.registry")
+    async with client_of_a_new_apiserver(tmp_path, history_size=20, bookmark_interval_s=3600) as api_client:
+        core, custom = k8s.CoreV1Api(api_client), k8s.CustomObjectsApi(api_client)
+        created = await custom.create_namespaced_custom_object(L.GROUP, L.VERSION, "default", L.PLURAL,
+                                                               llmservice("m"))
+        registry = Registry()
+        watcher = KubernetesWatcher(registry, api_client, watch_timeout_s=1)
+        await watcher.start()
+        try:
+            await asyncio.wait_for(watcher.synced.wait(), 10)
+            await core.create_namespaced_config_map("default", {"metadata": {"name": "traffic"}, "data": {}})
+
+            def relisted() -> bool:
+                return any("pods watch expired (410 Gone); relisting" in r.getMessage() for r in caplog.records)
+            deadline = asyncio.get_running_loop().time() + 30
+            i = 0
+            while not relisted():  # other traffic until the Pod watch's version leaves the window
+                assert asyncio.get_running_loop().time() < deadline, "no 410 Gone seen by the Pod watch"
+                i += 1
+                await core.patch_namespaced_config_map("traffic", "default", {"data": {"i": str(i)}})
+                await asyncio.sleep(0.01)
+
+            replica = pod("m-0", "m", 8123, ip="127.0.0.9")
+            replica["metadata"]["ownerReferences"] = [{"apiVersion": L.API_VERSION, "kind": L.KIND, "name": "m",
+                                                       "uid": created["metadata"]["uid"], "controller": True}]
+            await _create_pod(core, replica)
+            await wait_until(lambda: bool(registry.lookup("m") and registry.lookup("m").routable()))
+        finally:
+            await watcher.stop()
 
 
 async def test_two_routers_send_one_wake_up_between_them(api_client: Any) -> None:
