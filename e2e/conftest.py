@@ -153,9 +153,15 @@ def _stack(tmp_path_factory: pytest.TempPathFactory, *args: str, router: bool) -
 
 
 @pytest.fixture(scope="module")
-def real_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def dev_up_args() -> tuple[str, ...]:
+    """More `tidal dev up` arguments for `real_stack`: a module overrides this fixture for its own."""
+    return ()
+
+
+@pytest.fixture(scope="module")
+def real_stack(tmp_path_factory: pytest.TempPathFactory, dev_up_args: tuple[str, ...]) -> Iterator[Stack]:
     """Real engines (`tidal-engine serve` processes) and the router."""
-    yield from _stack(tmp_path_factory, router=True)
+    yield from _stack(tmp_path_factory, *dev_up_args, router=True)
 
 
 @pytest.fixture(scope="module")

@@ -133,7 +133,7 @@ def test_examples_validate_against_the_schema(doc_id: str, doc: dict[str, Any]) 
 
 def test_the_cpu_examples_are_there() -> None:
     names = {p.name for p in EXAMPLES}
-    assert {"sleep-scale-to-zero.yaml", "lora-cpu.yaml", "embeddings-minilm.yaml"} <= names
+    assert {"sleep-scale-to-zero.yaml", "lora-cpu.yaml", "two-chat-models.yaml", "embeddings-minilm.yaml"} <= names
     lora = yaml.safe_load((ROOT / "examples" / "lora-cpu.yaml").read_text())
     assert "--allow-file-root /tmp/tidal-adapters" in (ROOT / "examples" / "lora-cpu.yaml").read_text()
     assert lora["spec"]["lora"]["adapters"][0]["uri"].startswith("file:///tmp/tidal-adapters/")
