@@ -166,6 +166,75 @@ def test_deleting_the_llmservice_removes_pods_and_service(fake_stack: Any) -> No
     assert "NotFound" in fake_stack.kubectl("get", "service", "restart", check=False)
 
 
+def owner_uids(obj: dict[str, Any]) -> list[str]:
+    return [r["uid"] for r in obj["metadata"].get("ownerReferences") or [] if r.get("controller")]
+
+
+def test_the_operator_owns_its_companions_and_refuses_a_users_service(fake_stack: Any) -> None:
+    """What a platform team checks with kubectl: the PodDisruptionBudget and the HPA (mode hpa)
+    are owned by the LLMService; mode keda without KEDA says so; a user's Service of the same
+    name is never touched, and the LLMService reports ServiceConflict."""
+    autoscaling = {"mode": "hpa", "minReplicas": 1, "maxReplicas": 3, "metric": "requestsWaiting", "target": 2}
+    apply(fake_stack, llmservice("scaled-by-hpa", autoscaling=autoscaling))
+    fake_stack.wait_ready("scaled-by-hpa", BOUND_S)
+    uid = fake_stack.llm("scaled-by-hpa")["metadata"]["uid"]
+    pdb = fake_stack.get("pdb", "scaled-by-hpa")
+    assert owner_uids(pdb) == [uid] and pdb["spec"]["maxUnavailable"] == 1
+    hpa = fake_stack.wait_for(lambda: "NotFound" not in fake_stack.kubectl("get", "hpa", "scaled-by-hpa", check=False)
+                              and fake_stack.get("hpa", "scaled-by-hpa"), BOUND_S, "the HPA")
+    assert owner_uids(hpa) == [uid] and hpa["spec"]["maxReplicas"] == 3
+
+    fake_stack.kubectl("patch", "llm", "scaled-by-hpa", "--type=merge", "-p",
+                       json.dumps({"spec": {"autoscaling": {"mode": "keda"}}}))
+    keda = fake_stack.wait_for(lambda: (c := fake_stack.condition("scaled-by-hpa", "ExternalAutoscaler"))
+                               .get("reason") == "KEDANotInstalled" and c, BOUND_S, "KEDANotInstalled")
+    assert keda["status"] == "False"
+    fake_stack.wait_for(lambda: "NotFound" in fake_stack.kubectl("get", "hpa", "scaled-by-hpa", check=False),
+                        BOUND_S, "the HPA of the old mode gone")
+    fake_stack.kubectl("delete", "llm", "scaled-by-hpa", "--wait=false")
+
+    users = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "taken", "labels": {"team": "theirs"}},
+             "spec": {"selector": {"app": "theirs"}, "ports": [{"port": 80, "targetPort": 8080}]}}
+    apply(fake_stack, users)
+    apply(fake_stack, llmservice("taken"))
+    degraded = fake_stack.wait_for(lambda: (c := fake_stack.condition("taken", "Degraded")).get("reason")
+                                   == "ServiceConflict" and c, BOUND_S, "Degraded=True ServiceConflict")
+    assert degraded["status"] == "True"
+    assert [e for e in fake_stack.events("taken") if e["type"] == "Warning" and e["reason"] == "ServiceConflict"]
+    service = fake_stack.get("service", "taken")
+    assert service["spec"]["selector"] == {"app": "theirs"} and [p["port"] for p in service["spec"]["ports"]] == [80]
+    assert not owner_uids(service)
+    fake_stack.kubectl("delete", "llm", "taken", "--wait=false")
+
+
+def test_a_full_pool_rolls_in_place_with_max_surge_zero(fake_stack: Any) -> None:
+    """`rollout: {maxSurge: 0, maxUnavailable: 1}`: a spec change replaces the Pods one at a
+    time and never runs more Pods than replicas (no room for a surge Pod on a full GPU pool)."""
+    apply(fake_stack, llmservice("full-pool", replicas=2, rollout={"maxSurge": 0, "maxUnavailable": 1}))
+    fake_stack.wait_ready("full-pool", BOUND_S)
+    old = {p["metadata"]["name"] for p in fake_stack.pods("full-pool")}
+    with fake_stack.watch_pods("tidal.dev/llmservice=full-pool") as watch:
+        fake_stack.kubectl("patch", "llm", "full-pool", "--type=merge", "-p",
+                           json.dumps({"spec": {"model": {"maxModelLen": 256}}}))
+        fake_stack.wait_for(lambda: (pods := fake_stack.pods("full-pool")) and len(pods) == 2
+                            and not old & {p["metadata"]["name"] for p in pods}, BOUND_S, "both Pods replaced")
+        fake_stack.wait_ready("full-pool", BOUND_S)
+    live: set[str] = set()
+    most = 0
+    for _, kind, obj in watch.events:
+        name = obj["metadata"]["name"]
+        if kind == "DELETED" or obj["metadata"].get("deletionTimestamp"):
+            live.discard(name)
+        else:
+            live.add(name)
+        most = max(most, len(live))
+    assert most == 2, [(k, o["metadata"]["name"]) for _, k, o in watch.events]
+    for pod in fake_stack.pods("full-pool"):  # evictable by the cluster autoscaler, and no API token
+        assert pod["metadata"]["annotations"]["cluster-autoscaler.kubernetes.io/safe-to-evict"] == "true"
+        assert pod["spec"]["automountServiceAccountToken"] is False
+    fake_stack.kubectl("delete", "llm", "full-pool", "--wait=false")
+
+
 def test_kubectl_scale_changes_the_replicas(fake_stack: Any) -> None:
     apply(fake_stack, llmservice("scaled"))
     fake_stack.wait_for(lambda: len(fake_stack.pods("scaled")) == 1, BOUND_S, "1 Pod")
