@@ -291,7 +291,7 @@ def _schema_format(schema: Any) -> dict[str, Any]:
         ({"structured_outputs": {"choice": []}}, "structured_outputs", "non-empty list"),
         ({"structured_outputs": {"regex": "[0-9"}}, "structured_outputs", "invalid regex"),
         ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "exactly one kind"),
-        ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs", "structural_tag"),
+        ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs", "invalid structural tag"),
         ({"structured_outputs": {"json": 5}}, "structured_outputs", "wrong type"),
         ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, "response_format",
          "not both"),

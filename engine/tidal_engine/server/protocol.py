@@ -119,7 +119,7 @@ class SamplingFields(_Request):
         )
 
 
-_STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+_STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
 
 def _param_error(message: str, param: str) -> ValueError:
@@ -144,7 +144,8 @@ def _from_structured_outputs(spec: dict[str, Any]) -> StructuredOutputsParams:
         )
     kwargs = {k: spec[k] for k in _STRUCTURED_KEYS if spec.get(k) is not None}
     # Strict typing, as for every other field: the dataclass would not check these.
-    checks = {"json": (dict, str), "regex": str, "grammar": str, "choice": list, "json_object": bool}
+    checks = {"json": (dict, str), "regex": str, "grammar": str, "choice": list, "json_object": bool,
+              "structural_tag": str}
     for key, value in kwargs.items():
         if not isinstance(value, checks[key]):  # type: ignore[arg-type]
             raise _param_error(f"structured_outputs.{key} has the wrong type ({type(value).__name__})",

@@ -73,6 +73,7 @@ from tidal_engine.server.prompt_logprobs import prompt_logprobs
 from tidal_engine.server.reasoning import get_reasoning_parser
 from tidal_engine.server.tool_parsers import get_tool_parser
 from tidal_engine.server.tool_parsers.forced import RequiredChoiceParser, named_constraint, required_constraint
+from tidal_engine.server.tool_parsers.strict import strict_constraint
 from tidal_engine.structured import StructuredOutputsParams
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
@@ -675,11 +676,16 @@ class OpenAIServing:
                                   "and --tool-call-parser.", "tool_choice")
             plan.tool_parser = self.tool_parser
             plan.max_calls = None if request.parallel_tool_calls else 1
-            return plan, None
+            if not any(t.function.strict for t in tools):
+                return plan, None
         if request.response_format is not None or request.structured_outputs is not None:
-            raise bad_request("tool_choice required or named already constrains the output; drop "
-                              "response_format/structured_outputs.", "tool_choice")
+            raise bad_request("tool_choice required or named, or a strict function, already constrains the "
+                              "output; drop response_format/structured_outputs.", "tool_choice")
         try:
+            if choice == "auto":  # strict functions: their calls are held to their schemas
+                assert self.tool_parser is not None
+                functions = [(t.function.name, t.function.parameters, bool(t.function.strict)) for t in tools]
+                return plan, strict_constraint(self.tool_parser, functions, request.parallel_tool_calls)
             if choice == "required":
                 plan.tool_parser = RequiredChoiceParser()
                 functions = [(t.function.name, t.function.parameters) for t in tools]

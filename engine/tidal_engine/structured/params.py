@@ -24,7 +24,7 @@ def xgrammar() -> Any:
 # schema document both count as a level, so the check also guards the converter's recursion.
 MAX_SCHEMA_DEPTH = 64
 
-_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
 
 @dataclass
@@ -34,13 +34,16 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None  # EBNF (xgrammar's GBNF dialect), root rule `root`
     json_object: bool | None = None  # any JSON object
+    # xgrammar's structural tag (JSON text): free text with constrained regions, e.g. the tool
+    # calls of a strict function in tool_choice "auto" (server/tool_parsers/strict.py).
+    structural_tag: str | None = None
     # The parsed grammar, kept so the engine compiles without parsing twice; not part of equality.
     _grammar: xgr.Grammar | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         given = [k for k in _KINDS if getattr(self, k) not in (None, False)]
         if not given:
-            raise ValueError("structured outputs need one of: json, regex, choice, grammar, json_object")
+            raise ValueError(f"structured outputs need one of: {', '.join(_KINDS)}")
         if len(given) > 1:
             raise ValueError(f"structured outputs take exactly one kind of constraint, got {', '.join(given)}")
         self._grammar = self._parse(given[0])
@@ -98,6 +101,10 @@ class StructuredOutputsParams:
             # JSON string literals are valid EBNF literals (same escapes).
             ebnf = "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in self.choice)
             return _convert("choice", xgrammar().Grammar.from_ebnf, ebnf)
+        if kind == "structural_tag":
+            if not isinstance(self.structural_tag, str) or not self.structural_tag.strip():
+                raise ValueError("structural_tag must be a non-empty JSON string")
+            return _convert("structural tag", xgrammar().Grammar.from_structural_tag, self.structural_tag)
         if not isinstance(self.grammar, str) or not self.grammar.strip():
             raise ValueError("grammar must be a non-empty EBNF string")
         return _convert("grammar", xgrammar().Grammar.from_ebnf, self.grammar)

@@ -47,6 +47,12 @@ class ToolParser(ABC):
         """The calls in `region` (the text from `find_start` on). With final=False, only the
         calls already complete; with final=True, all of them, or None when the region is malformed."""
 
+    def strict_format(self, functions: list[tuple[str, dict[str, Any]]], parallel: bool) -> dict[str, Any] | None:
+        """An xgrammar structural-tag format that holds each call to its function's arguments
+        schema (`functions`: name, schema) while the text around it stays free (strict.py);
+        None when this format cannot be constrained so."""
+        return None
+
     def extract(self, text: str) -> ExtractedToolCalls:
         start = self.find_start(text)
         if start is None:

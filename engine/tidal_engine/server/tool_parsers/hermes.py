@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Any
 
 from tidal_engine.server.tool_parsers.base import ParsedToolCall, ToolParser, call_from_object
+from tidal_engine.server.tool_parsers.strict import json_call_tag, triggered_calls
 
 _BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
@@ -36,3 +38,8 @@ class HermesToolParser(ToolParser):
                 break
             calls.append(call)
         return calls
+
+    def strict_format(self, functions: list[tuple[str, dict[str, Any]]], parallel: bool) -> dict[str, Any] | None:
+        tags = [json_call_tag(f'{self.marker}\n{{"name": {json.dumps(name)}, "arguments": ', schema, "}\n</tool_call>")
+                for name, schema in functions]
+        return triggered_calls(self.marker, tags, parallel)
