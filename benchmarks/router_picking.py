@@ -5,11 +5,11 @@ were (this router's own counts only) against the same strategies reading the eng
         [--out benchmarks/results/router_picking.json]
 
 Setup (one process, one asyncio loop, everything on 127.0.0.1):
-- two engine stand-ins, each a raw ASGI app served by uvicorn, modelled as a queue: `--slots`
-  requests run at once, each for `--service-ms`; the rest wait in FIFO order, so a request's
-  latency rises with the queue depth it finds. /metrics reports what a real engine reports
-  (tidal:num_requests_running, tidal:num_requests_waiting, tidal:kv_cache_usage_perc = the
-  running share of the slots);
+- two engine stand-ins (benchmarks/queue_engine.py), each a raw ASGI app served by uvicorn,
+  modelled as a queue: `--slots` requests run at once, each for `--service-ms`; the rest wait
+  in FIFO order, so a request's latency rises with the queue depth it finds. /metrics reports
+  what a real engine reports (tidal:num_requests_running, tidal:num_requests_waiting,
+  tidal:kv_cache_usage_perc = the running share of the slots);
 - the real router app (create_app, served by uvicorn as `tidal router` serves it) with an
   injected Registry: one LLMService, two Ready Pods pointing at the stand-ins;
 - skew: `--background` closed-loop clients send straight to replica 0 the whole time (what
@@ -36,7 +36,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections import Counter, deque
+from collections import Counter
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, AsyncIterator
@@ -47,55 +47,11 @@ sys.path.insert(0, str(ROOT / "operator"))
 import httpx  # noqa: E402
 import uvicorn  # noqa: E402
 
+from queue_engine import QueueEngine  # noqa: E402  (this directory is on sys.path when run as a script)
+
 MODEL = "bench"
 KEY = "bench-client-key"
 PROMPTS = [f"You are assistant number {i}. " * 12 for i in range(8)]
-
-
-class QueueEngine:
-    """An engine stand-in whose latency is its queue: `slots` at once, FIFO for the rest."""
-
-    def __init__(self, name: str, slots: int, service_s: float) -> None:
-        self.name = name
-        self.slots = slots
-        self.service_s = service_s
-        self.running = 0
-        self.waiting: deque[asyncio.Future[None]] = deque()
-        self.served = 0
-
-    async def _run_one(self) -> None:
-        if self.running >= self.slots:
-            turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            self.waiting.append(turn)
-            await turn  # the slot is handed over by the request that finishes
-        else:
-            self.running += 1
-        try:
-            await asyncio.sleep(self.service_s)
-        finally:
-            self.served += 1
-            if self.waiting:
-                self.waiting.popleft().set_result(None)  # the slot passes on; running is unchanged
-            else:
-                self.running -= 1
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return
-        while (await receive()).get("more_body"):
-            pass
-        if scope["path"] == "/metrics":
-            body = (f"tidal:num_requests_running {self.running}\ntidal:num_requests_waiting {len(self.waiting)}\n"
-                    f"tidal:kv_cache_usage_perc {self.running / self.slots}\n").encode()
-            content_type = b"text/plain"
-        else:
-            await self._run_one()
-            body = json.dumps({"object": "chat.completion", "replica": self.name,
-                               "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}}]}).encode()
-            content_type = b"application/json"
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", content_type), (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
 
 
 @contextlib.asynccontextmanager
@@ -131,13 +87,15 @@ def router_app(ports: list[int], strategy: str, interval_s: float) -> Any:
     return create_app(registry, RouterConfig(api_keys=(KEY,), engine_load_interval_s=interval_s))
 
 
-async def background(url: str, stop: asyncio.Event) -> None:
+async def background(url: str, stop: asyncio.Event, model: str = MODEL) -> None:
     async with httpx.AsyncClient(base_url=url, timeout=60) as client:
         while not stop.is_set():
-            await client.post("/v1/chat/completions", json={"model": MODEL, "messages": []})
+            await client.post("/v1/chat/completions", json={"model": model, "messages": []})
 
 
-async def measured(url: str, clients: int, requests: int) -> tuple[list[float], Counter[str]]:
+async def measured(url: str, clients: int, requests: int, model: str = MODEL) -> tuple[list[float], Counter[str]]:
+    """`clients` closed-loop clients through the router, `requests` in all; (latencies in ms,
+    requests per replica as the router's x-tidal-replica header names it)."""
     latencies: list[float] = []
     replicas: Counter[str] = Counter()
     sent = 0
@@ -147,13 +105,13 @@ async def measured(url: str, clients: int, requests: int) -> tuple[list[float], 
         async with httpx.AsyncClient(base_url=url, timeout=60, headers={"authorization": f"Bearer {KEY}"}) as c:
             while sent < requests:
                 sent += 1
-                body = {"model": MODEL, "messages": [{"role": "system", "content": PROMPTS[sent % len(PROMPTS)]},
+                body = {"model": model, "messages": [{"role": "system", "content": PROMPTS[sent % len(PROMPTS)]},
                                                      {"role": "user", "content": f"question {sent}"}]}
                 start = time.perf_counter()
                 r = await c.post("/v1/chat/completions", json=body)
                 latencies.append((time.perf_counter() - start) * 1000)
                 r.raise_for_status()
-                replicas[r.json()["replica"]] += 1
+                replicas[r.headers["x-tidal-replica"]] += 1
 
     await asyncio.gather(*(client_loop(i) for i in range(clients)))
     return latencies, replicas

@@ -201,3 +201,14 @@ async def test_fake_ready_mode(cluster: Cluster) -> None:
     await cluster.delete_pod("fake-0")
     await cluster.wait_pod("fake-0", lambda p: p is None)
     assert cluster.kubelet.find("default", "fake-0") is None
+
+
+def test_engine_command_replaces_only_tidal_engine() -> None:
+    # `tidal dev up --engine-command`: an engine stand-in gets the engine's own arguments.
+    kubelet = LocalKubelet("http://127.0.0.1:1", engine_command=["python", "stand_in.py", "--slots", "4"])
+    engine = {"command": ["tidal-engine", "serve"], "args": ["bundled://m", "--port", "8000"]}
+    assert kubelet.command_line(engine) == ["python", "stand_in.py", "--slots", "4", "serve", "bundled://m",
+                                            "--port", "8000"]
+    assert kubelet.command_line({"command": ["sleep"], "args": ["5"]}) == ["sleep", "5"]
+    assert LocalKubelet("http://127.0.0.1:1").command_line(engine) == ["tidal-engine", "serve", "bundled://m",
+                                                                       "--port", "8000"]

@@ -4,6 +4,7 @@ operator, router) for trying Tidal on a laptop and for the end-to-end tests."""
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -23,6 +24,9 @@ def build_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.
     u.add_argument("--no-router", action="store_true", help="do not start the router")
     u.add_argument("--fake-engines", action="store_true",
                    help="the kubelet runs no processes and marks Pods Ready at once (fast, for tests)")
+    u.add_argument("--engine-command", default="", metavar="WORDS",
+                   help="run this (shell words) instead of tidal-engine in engine Pods, with the same "
+                        "arguments: engine stand-ins for benchmarks; takes effect when the control plane starts")
     u.add_argument("--router-port", type=int, default=8080)
     u.add_argument("--api-port", type=int, default=0, help="the API server's port (default: a free one)")
     u.add_argument("--crds", type=Path, default=DEFAULT_CRDS)
@@ -42,6 +46,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             files = args.files or [DEFAULT_EXAMPLE]
             up(UpOptions(files=files, state_dir=args.state_dir, api_port=args.api_port,
                          router_port=args.router_port, router=not args.no_router, fake_engines=args.fake_engines,
+                         engine_command=tuple(shlex.split(args.engine_command)),
                          apply=not args.no_apply, wait_s=args.timeout, crds=args.crds,
                          allowed_file_roots=tuple(args.file_roots)))
         elif args.dev_command == "down":

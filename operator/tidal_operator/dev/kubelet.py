@@ -11,6 +11,8 @@ to its node name, and for each one:
 - on deletion runs preStop hooks, SIGTERM, waits the grace period, SIGKILL, then confirms the
   delete with gracePeriodSeconds=0.
 `fake_ready=True` runs nothing and marks pods Running and Ready at once (benchmarks, unit tests).
+`engine_command` runs that instead of `tidal-engine` (same arguments): engine stand-ins that
+serve HTTP, for benchmarks of the router and operator in front of them.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import aiohttp
 
@@ -308,7 +310,7 @@ class PodRuntime:
                 for container in self.containers:
                     env, variables = await self.kubelet.container_env(self.pod, container.spec, self.ip)
                     argv = [pod_network_address(expand_refs(str(a), variables), self.ip)
-                            for a in [*(container.spec.get("command") or []), *(container.spec.get("args") or [])]]
+                            for a in self.kubelet.command_line(container.spec)]
                     if not argv:
                         raise ConfigError(f"container {container.name} has no command: images are not run locally")
                     prepared.append((container, env, argv))
@@ -353,7 +355,7 @@ class LocalKubelet:
     def __init__(self, server_url: str, *, node_name: str = "tidal-dev", state_dir: str | Path = ".tidal/dev",
                  workdir: str | Path | None = None, fake_ready: bool = False, namespace: str | None = None,
                  backoff_base_s: float = 10.0, backoff_max_s: float = 300.0, first_ip: int = 2,
-                 extra_env: Mapping[str, str] | None = None) -> None:
+                 extra_env: Mapping[str, str] | None = None, engine_command: Sequence[str] = ()) -> None:
         self.server_url = server_url.rstrip("/")
         self.node_name = node_name
         self.state_dir = Path(state_dir)
@@ -363,6 +365,7 @@ class LocalKubelet:
         self.backoff_base_s, self.backoff_max_s = backoff_base_s, backoff_max_s
         self.first_ip = first_ip
         self.extra_env = dict(extra_env or {})
+        self.engine_command = list(engine_command)
         self.pods: dict[str, PodRuntime] = {}  # by uid
         self.stopping = False
         self._session: aiohttp.ClientSession | None = None
@@ -450,6 +453,13 @@ class LocalKubelet:
         if kind == "secrets":
             return {k: base64.b64decode(v).decode(errors="replace") for k, v in data.items()}
         return data
+
+    def command_line(self, container: Obj) -> list[str]:
+        """`command + args`, with `engine_command` in place of a leading `tidal-engine`."""
+        command = [str(a) for a in container.get("command") or []]
+        if self.engine_command and command[:1] == ["tidal-engine"]:
+            command = [*self.engine_command, *command[1:]]
+        return [*command, *(str(a) for a in container.get("args") or [])]
 
     # --- env -------------------------------------------------------------------------------------
 

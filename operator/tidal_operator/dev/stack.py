@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import secrets
+import shlex
 import signal
 import socket
 import struct
@@ -243,6 +244,8 @@ class UpOptions:
     router_port: int = 8080
     router: bool = True
     fake_engines: bool = False
+    # Run this instead of `tidal-engine` in engine Pods (engine stand-ins for benchmarks).
+    engine_command: tuple[str, ...] = ()
     apply: bool = True
     wait_s: float = 300.0
     crds: Path = DEFAULT_CRDS
@@ -301,6 +304,8 @@ def up(options: UpOptions, out: Any = sys.stdout) -> dict[str, Any]:
                 "--port", str(options.api_port), "--crds", str(options.crds)]
         if options.fake_engines:
             argv.append("--fake-engines")
+        if options.engine_command:
+            argv += ["--engine-command", shlex.join(options.engine_command)]
         _spawn(paths, "controlplane", argv)
         print(f"starting the control plane (logs: {paths.log('controlplane')})", file=out)
     api = _wait("the API server", lambda: (u := _api_url(paths)) and _healthy(f"{u}/readyz") and u, 60,
@@ -470,7 +475,8 @@ def first_pod_ip(api_port: int, in_use: set[int] | None = None, *, fake_engines:
     return free[api_port % len(free)] * 256 + 2
 
 
-async def _serve_controlplane(state_dir: Path, port: int, crds: Path, fake_engines: bool) -> None:
+async def _serve_controlplane(state_dir: Path, port: int, crds: Path, fake_engines: bool,
+                              engine_command: tuple[str, ...] = ()) -> None:
     from .apiserver import start_apiserver
     from .kubeconfig import write_kubeconfig
     from .kubelet import LocalKubelet
@@ -478,7 +484,8 @@ async def _serve_controlplane(state_dir: Path, port: int, crds: Path, fake_engin
     paths = Paths(state_dir)
     handle = await start_apiserver("127.0.0.1", port, crds, log_dir=paths.logs)
     kubelet = LocalKubelet(handle.url, state_dir=paths.root, fake_ready=fake_engines, workdir=Path.cwd(),
-                           first_ip=first_pod_ip(handle.port, fake_engines=fake_engines))
+                           first_ip=first_pod_ip(handle.port, fake_engines=fake_engines),
+                           engine_command=engine_command)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -520,9 +527,11 @@ def main(argv: list[str] | None = None) -> None:
     cp.add_argument("--port", type=int, default=0)
     cp.add_argument("--crds", type=Path, default=DEFAULT_CRDS)
     cp.add_argument("--fake-engines", action="store_true")
+    cp.add_argument("--engine-command", default="", help="shell words run instead of tidal-engine")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(_serve_controlplane(args.state_dir.resolve(), args.port, args.crds, args.fake_engines))
+    asyncio.run(_serve_controlplane(args.state_dir.resolve(), args.port, args.crds, args.fake_engines,
+                                    tuple(shlex.split(args.engine_command))))
 
 
 if __name__ == "__main__":
