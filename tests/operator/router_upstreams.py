@@ -33,6 +33,7 @@ class FakeEngine:
     stream_gate: asyncio.Event | None = None  # streams wait for it after the first chunk
     wake_gate: asyncio.Event | None = None  # /wake_up waits for it before waking
     fail_midstream: bool = False  # abort the connection after the first chunk
+    draining: bool = False  # refuse every request with a plain 503 before doing anything
     requests: list[dict[str, Any]] = field(default_factory=list)
     auth_headers: list[str | None] = field(default_factory=list)
     wake_calls: int = 0
@@ -109,6 +110,9 @@ class FakeEngine:
             if self.sleeping:
                 return JSONResponse({"error": {"message": "sleeping", "type": "engine_sleeping", "param": None,
                                                "code": 503}}, status_code=503, headers={"Retry-After": "5"})
+            if self.draining:
+                return JSONResponse({"error": {"message": "draining", "type": "service_unavailable", "param": None,
+                                               "code": 503}}, status_code=503)
             if body.get("force_status"):  # a test asks for an engine-side 4xx
                 status = int(body["force_status"])
                 return JSONResponse({"error": {"message": f"forced {status}", "type": "invalid_request_error",

@@ -5,6 +5,7 @@ router replicas send a single wake_up between them."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import logging
 from pathlib import Path
@@ -93,6 +94,12 @@ async def test_watcher_fills_the_registry_and_follows_changes(api_client: Any) -
         await core.delete_namespaced_pod("m-0", "default", grace_period_seconds=0)
         await wait_until(lambda: not registry.lookup("smol").replicas)
         await core.delete_namespaced_pod("stray", "default", grace_period_seconds=0)
+        # The copy rotated (the operator patches it when the source changes): the router's watch
+        # has the new key, with no 401 from an engine needed to notice.
+        await core.patch_namespaced_secret(f"tidal-engine-key-{created['metadata']['uid']}", "tidal-system",
+                                           {"data": {"api-key": base64.b64encode(b"rotated").decode()}},
+                                           _content_type="application/merge-patch+json")
+        await wait_until(lambda: registry.engine_api_key(registry.lookup("smol")) == "rotated")
         # The copy goes (the LLMService lost its auth): so does the key.
         await core.delete_namespaced_secret(f"tidal-engine-key-{created['metadata']['uid']}", "tidal-system")
         await wait_until(lambda: registry.engine_api_key(registry.lookup("smol")) is None)

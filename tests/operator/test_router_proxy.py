@@ -206,6 +206,19 @@ async def test_connection_refused_is_retried_on_another_replica_and_cooled_down(
             assert len(live.requests) == 4
 
 
+async def test_an_engine_503_before_any_byte_is_retried_on_another_replica() -> None:
+    # A plain 503 (draining, overloaded) means the engine refused without starting: re-sent.
+    async with serve_engines(FakeEngine("m-0", draining=True), FakeEngine("m-1")) as (e0, e1):
+        registry = _registry(llmservice("m"), pod("m-0", "m", e0.port), pod("m-1", "m", e1.port))
+        async with run_router_for_test(registry) as router:
+            for i in range(4):
+                r = await router.client.post("/v1/chat/completions", json=_chat("m", str(i)))
+                assert r.status_code == 200 and r.json()["replica"] == "m-1"
+            assert len(e0.requests) == 1  # tried once, then cooled down
+            assert router.metric("tidal_router_upstream_errors_total", model="m", kind="unavailable") == 1
+            assert router.metric("tidal_router_retries_total", model="m") == 1
+
+
 async def test_a_request_that_reached_an_engine_is_never_replayed() -> None:
     # Both replicas drop the connection after reading the request (as if it crashed them):
     # the first one's failure is answered with a 502, and the second never sees the request.
@@ -271,3 +284,36 @@ def test_the_app_refuses_to_start_without_keys_unless_told() -> None:
     with pytest.raises(ValueError):
         create_app(Registry(), RouterConfig())
     create_app(Registry(), RouterConfig(allow_unauthenticated=True))
+
+
+async def test_metrics_follow_prometheus_conventions_and_time_each_request() -> None:
+    # Issue 21's observability list, as a scraper sees /metrics: per-model and per-replica
+    # request counts, held requests, wakes, retries and a latency histogram in seconds.
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with serve_engines(FakeEngine("m-0")) as (e0,):
+        registry = _registry(llmservice("m"), pod("m-0", "m", e0.port))
+        async with run_router_for_test(registry) as router:
+            assert (await router.client.post("/v1/chat/completions", json=_chat("m"))).status_code == 200
+            scraped = await router.client.get("/metrics")
+    assert scraped.status_code == 200 and scraped.headers["content-type"].startswith("text/plain")
+    families = {f.name: f for f in text_string_to_metric_families(scraped.text)}
+    assert {name: families[name].type for name in (
+        "tidal_router_requests", "tidal_router_replica_requests", "tidal_router_retries", "tidal_router_wakeups",
+        "tidal_router_held_requests", "tidal_router_request_duration_seconds")} == {
+        "tidal_router_requests": "counter", "tidal_router_replica_requests": "counter",
+        "tidal_router_retries": "counter", "tidal_router_wakeups": "counter",
+        "tidal_router_held_requests": "gauge", "tidal_router_request_duration_seconds": "histogram"}
+    for family in families.values():
+        assert family.name.startswith("tidal_router_") and family.documentation, family.name
+        for sample in family.samples:
+            if family.type == "counter":
+                assert sample.name in (family.name + "_total", family.name + "_created"), sample.name
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values() for s in f.samples}
+    endpoint = (("endpoint", "/v1/chat/completions"), ("model", "m"))
+    assert samples[("tidal_router_request_duration_seconds_count", endpoint)] == 1
+    assert samples[("tidal_router_request_duration_seconds_bucket", (endpoint[0], ("le", "+Inf"), endpoint[1]))] == 1
+    assert 0 < samples[("tidal_router_request_duration_seconds_sum", endpoint)] < 30
+    assert samples[("tidal_router_requests_total", (*endpoint, ("status", "200")))] == 1
+    assert samples[("tidal_router_replica_requests_total", (("model", "m"), ("namespace", "default"),
+                                                            ("pod", "m-0")))] == 1
