@@ -40,11 +40,13 @@ SHORT_WINDOWS = {"sleep": {"afterIdleSeconds": 2, "removeAfterSeconds": 5},
 
 
 @pytest.fixture(scope="module", autouse=True)
-def short_autoscale_interval() -> Iterator[None]:
-    """One autoscaler tick a second. Autouse, so it is set before the stack starts: `tidal dev
-    up` passes its environment to the operator."""
+def stack_environment() -> Iterator[None]:
+    """One autoscaler tick a second, and one torch thread per engine (four engines share the
+    machine's cores). Autouse, so it is set before the stack starts: `tidal dev up` passes its
+    environment to the operator and the kubelet, and the kubelet to the engines."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TIDAL_AUTOSCALE_INTERVAL_SECONDS", "1")
+        mp.setenv("OMP_NUM_THREADS", "1")
         yield
 
 
