@@ -243,15 +243,6 @@ def test_kubectl_scale_changes_the_replicas(fake_stack: Any) -> None:
     assert fake_stack.llm("scaled")["spec"]["replicas"] == 2
 
 
-def test_the_sleep_and_scale_to_zero_example_comes_up(fake_stack: Any) -> None:
-    """examples/sleep-scale-to-zero.yaml is accepted by the API server and the operator, and its
-    first replica comes up (the sleep and removal themselves: test_idle_e2e.py)."""
-    fake_stack.kubectl("apply", "-f", str(ROOT / "examples" / "sleep-scale-to-zero.yaml"))
-    fake_stack.wait_ready("smollm2-idle", BOUND_S)
-    assert len(fake_stack.pods("smollm2-idle")) == 1
-    fake_stack.kubectl("delete", "llm", "smollm2-idle", "--wait=false")
-
-
 def test_kubectl_get_prints_the_printer_columns(fake_stack: Any) -> None:
     """The emulated API server answers kubectl's Table requests (additionalPrinterColumns)."""
     apply(fake_stack, llmservice("tables", replicas=2))

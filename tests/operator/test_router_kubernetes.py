@@ -145,6 +145,41 @@ async def test_a_watch_resuming_from_an_expired_version_relists_and_follows_on(
             await watcher.stop()
 
 
+async def test_a_bookmark_keeps_a_quiet_watch_resumable(tmp_path: Path) -> None:
+    """allowWatchBookmarks, as the router's watches ask: a quiet Pod watch gets BOOKMARKs with
+    the server's newest resourceVersion, so after other traffic it resumes from there (no 410),
+    where the version of its last Pod event would be gone."""
+    from kubernetes_asyncio import watch
+
+    async with client_of_a_new_apiserver(tmp_path, history_size=20, bookmark_interval_s=0.2) as api_client:
+        core = k8s.CoreV1Api(api_client)
+        listed = (await core.list_namespaced_pod("default")).metadata.resource_version
+        await core.create_namespaced_config_map("default", {"metadata": {"name": "traffic"}, "data": {}})
+        for i in range(25):  # other traffic: the listed version leaves the 20-change window
+            await core.patch_namespaced_config_map("traffic", "default", {"data": {"i": str(i)}})
+        newest = (await core.read_namespaced_config_map("traffic", "default")).metadata.resource_version
+
+        async def first_event(since: str) -> dict[str, Any]:
+            w = watch.Watch()
+            async with w.stream(core.list_namespaced_pod, "default", resource_version=since, timeout_seconds=5,
+                                allow_watch_bookmarks=True) as stream:
+                async for event in stream:
+                    return dict(event)
+            raise AssertionError("the watch ended with no event")
+
+        with pytest.raises(k8s.ApiException) as gone:
+            await first_event(listed)
+        assert gone.value.status == 410
+        bookmark = await first_event(newest)  # a fresh start: the first event is a bookmark
+        assert bookmark["type"] == "BOOKMARK"
+        assert int(bookmark["object"]["metadata"]["resourceVersion"]) >= int(newest)
+        # Resuming from the bookmark's version works; a Pod made now arrives.
+        await core.create_namespaced_pod("default", {"metadata": {"name": "p"},
+                                                     "spec": {"containers": [{"name": "c", "image": "x"}]}})
+        added = await first_event(bookmark["object"]["metadata"]["resourceVersion"])
+        assert (added["type"], added["object"].metadata.name) == ("ADDED", "p")
+
+
 async def test_two_routers_send_one_wake_up_between_them(api_client: Any) -> None:
     core = k8s.CoreV1Api(api_client)
     wake_gate = asyncio.Event()
