@@ -11,8 +11,7 @@ import torch.nn.functional as F
 
 from tidal_engine.layers.dense_attention import packed_attention, packed_qkv_attention
 from tidal_engine.models.loader import resolve_model_path
-from tidal_engine.pooling.batching import take_batch
-from tidal_engine.pooling.engine import PoolingEngine
+from tidal_engine.pooling.core import PoolingEngineCore
 from tidal_engine.pooling.params import PoolingParams
 from tidal_engine.pooling.pooler import finish_embedding, pool
 from tidal_engine.pooling.runner import PoolingInput
@@ -36,7 +35,7 @@ def test_minilm_matches_sentence_transformers() -> None:
     from sentence_transformers import SentenceTransformer
 
     texts = varied_texts(64)
-    engine = PoolingEngine.from_model("all-minilm-l6-v2", "all-minilm-l6-v2", device="cpu", max_num_batched_tokens=700)
+    engine = PoolingEngineCore.from_model("all-minilm-l6-v2", "all-minilm-l6-v2", device="cpu", max_num_batched_tokens=700)
     assert (engine.info.task, engine.info.method, engine.max_model_len) == ("embed", "mean", 256)
     encoded = engine.tokenizer(texts, truncation=True, max_length=engine.max_model_len)["input_ids"]
     ours = torch.stack(engine.encode_offline([PoolingInput(ids) for ids in encoded]))
@@ -58,7 +57,7 @@ PROMPTS = [[5, 17, 99, 3], [42], list(range(1, 40)), [7, 7, 7, 7, 7, 250, 8]]
 
 def test_qwen3_embedding_last_token_matches_transformers(qwen3_embedding: tuple[Path, object]) -> None:
     folder, hf_model = qwen3_embedding
-    engine = PoolingEngine.from_model(str(folder), "emb", device="cpu")
+    engine = PoolingEngineCore.from_model(str(folder), "emb", device="cpu")
     assert (engine.info.task, engine.info.method) == ("embed", "last")
     ours = engine.encode_offline([PoolingInput(ids, params=PoolingParams(normalize=False)) for ids in PROMPTS])
     with torch.no_grad():
@@ -69,7 +68,7 @@ def test_qwen3_embedding_last_token_matches_transformers(qwen3_embedding: tuple[
 
 def test_bert_cross_encoder_matches_transformers(tmp_path: Path) -> None:
     hf_model = make_bert_cross_encoder(tmp_path)
-    engine = PoolingEngine.from_model(str(tmp_path), "rerank", device="cpu")
+    engine = PoolingEngineCore.from_model(str(tmp_path), "rerank", device="cpu")
     assert (engine.info.task, engine.info.method, engine.info.num_labels) == ("classify", "cls", 1)
     pairs = [("what is a tide?", "The tide is the rise and fall of the sea."), ("hi", "unrelated text here"),
              ("a longer question about kubernetes operators", "k8s")]
@@ -89,7 +88,7 @@ def test_bert_cross_encoder_matches_transformers(tmp_path: Path) -> None:
 
 def test_qwen3_classifier_matches_transformers(tmp_path: Path) -> None:
     hf_model = make_qwen3_classifier(tmp_path)
-    engine = PoolingEngine.from_model(str(tmp_path), "rerank", device="cpu")
+    engine = PoolingEngineCore.from_model(str(tmp_path), "rerank", device="cpu")
     assert (engine.info.task, engine.info.method) == ("classify", "last")
     ours = engine.encode_offline([PoolingInput(ids, params=PoolingParams(activation=False)) for ids in PROMPTS])
     with torch.no_grad():
@@ -99,7 +98,7 @@ def test_qwen3_classifier_matches_transformers(tmp_path: Path) -> None:
 
 def test_embed_a_classifier_with_convert(tmp_path: Path) -> None:
     make_qwen3_classifier(tmp_path)
-    engine = PoolingEngine.from_model(str(tmp_path), "emb", convert="embed", device="cpu")
+    engine = PoolingEngineCore.from_model(str(tmp_path), "emb", convert="embed", device="cpu")
     assert engine.info.task == "embed"
     assert engine.encode_offline([PoolingInput([1, 2, 3])])[0].shape == (64,)
 
@@ -125,13 +124,6 @@ def test_pool_methods_and_matryoshka() -> None:
     assert pool(hidden, [2, 4], "mean").tolist() == [[1, 2], [7, 8]]
     vector = finish_embedding(torch.tensor([3.0, 4.0, 12.0]), PoolingParams(dimensions=2))
     assert vector.tolist() == pytest.approx([0.6, 0.8])
-
-
-def test_take_batch_budgets() -> None:
-    items = [PoolingInput([0] * n) for n in (5, 5, 5, 20)]
-    assert take_batch(items, max_tokens=12, max_seqs=8) == 2
-    assert take_batch(items, max_tokens=100, max_seqs=3) == 3
-    assert take_batch(items[3:], max_tokens=10, max_seqs=8) == 1  # too long for the budget: runs alone
 
 
 def test_packed_qkv_attention_matches_packed_attention() -> None:

@@ -1,5 +1,6 @@
 """The pooling HTTP API in process: MiniLM and a tiny BERT cross-encoder behind the real
-PoolingEngine and FastAPI app, driven with the openai client and plain JSON."""
+pooling engine core (its loop on a thread, over ZeroMQ) and FastAPI app, driven with the openai
+client and plain JSON."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import base64
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import openai
@@ -16,16 +18,22 @@ from fastapi.testclient import TestClient
 sys.path.insert(0, str(Path(__file__).parent))
 from tiny_pooling_models import make_bert_cross_encoder  # noqa: E402
 
-from tidal_engine.pooling.engine import PoolingEngine  # noqa: E402
+from tidal_engine.pooling.client import LocalPoolingCore, PoolingClient  # noqa: E402
+from tidal_engine.pooling.core import PoolingEngineCore  # noqa: E402
 from tidal_engine.server.app import ServerSettings, build_app  # noqa: E402
 from tidal_engine.server.pooling import build_pooling_app  # noqa: E402
 
 MINILM = "all-minilm-l6-v2"
 
 
+def local_client(model: str, name: str, **options: Any) -> PoolingClient:
+    """A CPU pooling core with its loop on a thread, and the API server's client to it."""
+    return LocalPoolingCore(PoolingEngineCore.from_model(model, name, device="cpu", **options)).client
+
+
 @pytest.fixture(scope="module")
 def embed_http() -> Iterator[TestClient]:
-    engine = PoolingEngine.from_model(MINILM, MINILM, device="cpu")
+    engine = local_client(MINILM, MINILM)
     with TestClient(build_pooling_app(engine, ServerSettings(served_model_names=[MINILM]))) as http:
         yield http
 
@@ -34,7 +42,7 @@ def embed_http() -> Iterator[TestClient]:
 def rerank_http(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
     folder = tmp_path_factory.mktemp("cross-encoder")
     make_bert_cross_encoder(folder)
-    engine = PoolingEngine.from_model(str(folder), "reranker", device="cpu")
+    engine = local_client(str(folder), "reranker")
     with TestClient(build_pooling_app(engine, ServerSettings(served_model_names=["reranker"]))) as http:
         yield http
 
@@ -181,7 +189,7 @@ def test_runner_and_convert_flags() -> None:
 
 def test_sleep_and_wake(tmp_path: Path) -> None:
     make_bert_cross_encoder(tmp_path)
-    engine = PoolingEngine.from_model(str(tmp_path), "reranker", device="cpu", enable_sleep_mode=True)
+    engine = local_client(str(tmp_path), "reranker", enable_sleep_mode=True)
     body = {"text_1": "what is a tide?", "text_2": ["the sea rises", "pods run"]}
     with TestClient(build_pooling_app(engine, ServerSettings(served_model_names=["reranker"]))) as http:
         awake = http.post("/score", json=body).json()["data"]
@@ -224,7 +232,7 @@ def test_operator_reads_the_pooling_servers_metrics(tmp_path: Path) -> None:
     from tidal_operator.engine_client import EngineMetrics
 
     make_bert_cross_encoder(tmp_path)
-    engine = PoolingEngine.from_model(str(tmp_path), "reranker", device="cpu", enable_sleep_mode=True)
+    engine = local_client(str(tmp_path), "reranker", enable_sleep_mode=True)
     with TestClient(build_pooling_app(engine, ServerSettings(served_model_names=["reranker"]))) as http:
         idle = EngineMetrics.parse(http.get("/metrics").text)
         assert (idle.running, idle.waiting, idle.sleep_level, idle.activity) == (0, 0, 0, 0)

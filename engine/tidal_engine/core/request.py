@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tidal_engine.core.block_pool import BlockHash, hash_block_tokens
 from tidal_engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tidal_engine.pooling.params import PoolingParams
 
 
 class RequestStatus(enum.Enum):
@@ -55,6 +58,8 @@ class Request:
         cache_salt: str | None = None,
         lora_name: str | None = None,
         lora_key: str | None = None,
+        pooling_params: PoolingParams | None = None,
+        token_type_ids: list[int] | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids: list[int] = list(prompt_token_ids)
@@ -64,6 +69,10 @@ class Request:
         self.lora_name = lora_name
         # The adapter in KV cache keys: name plus load generation (LoRAManager.cache_key); default the name.
         self.lora_key = lora_key if lora_key is not None else lora_name
+        # Pooling: one prefill-only forward that yields a pooled vector, samples nothing and
+        # keeps no KV (the scheduler gives it no blocks); BERT pairs carry their segment ids.
+        self.pooling_params = pooling_params
+        self.token_type_ids = token_type_ids
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
         self.status = RequestStatus.WAITING
@@ -97,6 +106,10 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def is_pooling(self) -> bool:
+        return self.pooling_params is not None
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

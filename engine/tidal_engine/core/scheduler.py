@@ -8,6 +8,10 @@ One ``schedule()`` call builds one forward pass, under a token budget
 3. if nothing was preempted this step, waiting requests are admitted in order (preempted ones
    sit at the front), each with a prefix-cache lookup.
 
+Pooling requests (``Request.is_pooling``: embeddings, scores) go through the same queue and
+budgets but are admitted whole and take no KV blocks: their forward writes no cache, so they
+cannot be chunked or preempted. The engine finishes them after their one step.
+
 Decodes go before prefill chunks so a long prompt never stalls running generations.
 When a running request cannot get blocks, the newest running request (by arrival) is preempted:
 its blocks are freed, ``num_computed_tokens`` goes back to 0 and it returns to the front of the
@@ -286,19 +290,26 @@ class Scheduler:
                     and len(adapters) >= self.config.max_loras:
                 skipped.append(self.waiting.popleft())
                 continue
-            computed_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
-            if self.connector is not None and self._start_load(request, computed_blocks, num_hit):
-                if lora is not None:
-                    adapters.add(lora)
-                continue
-            num_new = request.num_tokens - num_hit  # >= 1: a hit never covers the last token
-            if num_new > budget:
-                if not self.config.enable_chunked_prefill:
-                    break  # whole prompts only; FCFS, so the queue waits behind it
-                num_new = budget
-            block_ids = self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks)
-            if block_ids is None:
-                break  # no room; retry next step, after running requests have moved on
+            if request.is_pooling:
+                # A pooling forward keeps no KV: its whole prompt goes in one step (never
+                # chunked, FCFS) and takes no blocks and no prefix-cache lookup.
+                if request.num_tokens > budget:
+                    break
+                num_hit, num_new, block_ids = 0, request.num_tokens, []
+            else:
+                computed_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
+                if self.connector is not None and self._start_load(request, computed_blocks, num_hit):
+                    if lora is not None:
+                        adapters.add(lora)
+                    continue
+                num_new = request.num_tokens - num_hit  # >= 1: a hit never covers the last token
+                if num_new > budget:
+                    if not self.config.enable_chunked_prefill:
+                        break  # whole prompts only; FCFS, so the queue waits behind it
+                    num_new = budget
+                block_ids = self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks)
+                if block_ids is None:
+                    break  # no room; retry next step, after running requests have moved on
             self.waiting.popleft()
             if self.connector is not None:
                 self._count_external(request, num_hit, 0)
@@ -411,7 +422,7 @@ class Scheduler:
         return max(0, min(num_new, self.config.max_model_len - request.num_computed_tokens))
 
     def _chunk(self, request: Request, num_new: int, block_ids: list[int]) -> ScheduledChunk:
-        samples = request.num_computed_tokens + num_new == request.num_tokens
+        samples = not request.is_pooling and request.num_computed_tokens + num_new == request.num_tokens
         return ScheduledChunk(request=request, num_new_tokens=num_new, block_ids=block_ids, samples=samples)
 
     def _preempt(self, request: Request) -> None:

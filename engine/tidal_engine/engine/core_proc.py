@@ -1,6 +1,7 @@
 """The engine-core process: the core's busy loop, fed and read over ZeroMQ.
 
-One process runs ``EngineCore`` (scheduler, KV cache manager, executor) and nothing else,
+One process runs ``EngineCore`` (scheduler, KV cache manager, executor), or for a pooling
+model ``PoolingEngineCore`` (the same scheduler, a prefill-only runner), and nothing else,
 so no HTTP parsing, tokenizing or detokenizing ever takes its GIL. API servers PUSH
 msgpack messages (requests, aborts, utility calls) to its one PULL socket; it PUSHes
 each API server's deltas back on that server's own socket, with the stats every
@@ -33,6 +34,7 @@ from tidal_engine.engine.messages import (
     CoreInfo,
     EngineCoreOutputs,
     EngineCoreRequest,
+    PooledOutput,
     SampleDelta,
     UtilityCall,
     UtilityResult,
@@ -41,6 +43,8 @@ from tidal_engine.engine.messages import (
     params_from_dict,
 )
 from tidal_engine.engine.process_utils import die_with_parent, ignore_termination_signals, parent_alive, set_process_title
+from tidal_engine.pooling.core import PoolingEngineCore
+from tidal_engine.pooling.params import PoolingParams
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +59,7 @@ class CoreAddresses:
 
 
 class EngineCoreProc:
-    def __init__(self, core: EngineCore, addresses: CoreAddresses, parent_pid: int | None = None) -> None:
+    def __init__(self, core: EngineCore | PoolingEngineCore, addresses: CoreAddresses, parent_pid: int | None = None) -> None:
         self.core = core
         self.parent_pid = parent_pid
         self.ctx = zmq.Context()
@@ -154,10 +158,17 @@ class EngineCoreProc:
             out.rejected[msg.request_id] = ("EngineSleepingError", "the engine is sleeping", 503)
             return
         try:
-            self.core.add_request(
-                msg.request_id, msg.prompt_token_ids, params_from_dict(msg.params),
-                cache_salt=msg.cache_salt, arrival_time=msg.arrival_time, lora_name=msg.lora_name,
-            )
+            if msg.pooling_params is not None:
+                add_pooling = getattr(self.core, "add_pooling_request", None)
+                if add_pooling is None:
+                    raise ValueError("this engine generates text; pooling requests need a pooling model")
+                add_pooling(msg.request_id, msg.prompt_token_ids, PoolingParams(**msg.pooling_params),
+                            msg.token_type_ids, msg.arrival_time)
+            else:
+                self.core.add_request(
+                    msg.request_id, msg.prompt_token_ids, params_from_dict(msg.params),
+                    cache_salt=msg.cache_salt, arrival_time=msg.arrival_time, lora_name=msg.lora_name,
+                )
         except ValueError as exc:  # bad input, LoRAError included: the caller's 4xx
             out.rejected[msg.request_id] = (type(exc).__name__, str(exc), int(getattr(exc, "status", 400)))
             return
@@ -176,9 +187,14 @@ class EngineCoreProc:
             self.core.abort_request(request_id)
             self.client_of.pop(request_id, None)
 
-    def _route(self, deltas: list[SampleDelta]) -> None:
+    def _route(self, deltas: list[SampleDelta] | list[PooledOutput]) -> None:
         ended: set[str] = set()
         for delta in deltas:
+            if isinstance(delta, PooledOutput):  # a pooling request ends with its one output
+                client = self.client_of.pop(delta.request_id, None)
+                if client is not None:
+                    self._outputs(client).pooled.append(delta)
+                continue
             client = self.client_of.get(delta.request_id)
             if client is None:
                 continue
@@ -253,8 +269,9 @@ class EngineCoreProc:
         self._flush(force_stats=True)
 
 
-def core_info(core: EngineCore) -> CoreInfo:
+def core_info(core: EngineCore | PoolingEngineCore) -> CoreInfo:
     return CoreInfo(
+        pooling=core.pooling_info if isinstance(core, PoolingEngineCore) else None,
         model_name=core.model_name,
         max_model_len=core.max_model_len,
         vocab_size=core.vocab_size,
@@ -265,6 +282,13 @@ def core_info(core: EngineCore) -> CoreInfo:
     )
 
 
+def build_core(config: EngineConfig) -> EngineCore | PoolingEngineCore:
+    """The generation core, or the pooling core for ``--runner pooling``."""
+    if config.runner == "pooling":
+        return PoolingEngineCore.from_config(config)
+    return EngineCore(config)
+
+
 def run_engine_core(config: EngineConfig, addresses: CoreAddresses, ready: Connection, log_level: int = logging.INFO) -> None:
     """The engine-core process's entry point: build the core, say ready (or why not), loop."""
     parent = os.getppid()
@@ -273,7 +297,7 @@ def run_engine_core(config: EngineConfig, addresses: CoreAddresses, ready: Conne
     set_process_title("tidal-engine: engine-core")
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [engine-core] %(message)s")
     try:
-        core = EngineCore(config)
+        core = build_core(config)
         proc = EngineCoreProc(core, addresses, parent_pid=parent)
     except BaseException as exc:  # noqa: BLE001 - the parent shows it and exits
         ready.send(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc()))

@@ -24,6 +24,9 @@ class EngineCoreRequest(msgspec.Struct, tag="add"):
     cache_salt: str | None = None
     lora_name: str | None = None
     client_index: int = 0  # which API server gets the outputs
+    # A pooling request (embeddings, scores): PoolingParams' fields; ``params`` is then unused.
+    pooling_params: dict[str, Any] | None = None
+    token_type_ids: list[int] | None = None  # BERT sentence pairs
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
@@ -62,6 +65,14 @@ class SampleDelta(msgspec.Struct, array_like=True):
     first_scheduled_time: float | None = None
 
 
+class PooledOutput(msgspec.Struct, array_like=True):
+    """A pooling request's result: its float32 vector (little-endian bytes), or why it failed."""
+
+    request_id: str
+    data: bytes = b""
+    error: str | None = None
+
+
 class CoreStats(msgspec.Struct):
     num_running: int = 0
     num_waiting: int = 0
@@ -95,6 +106,9 @@ class CoreStats(msgspec.Struct):
     kv_offload_save_seconds: float = 0.0
     kv_offload_failed_loads: int = 0
     kv_offload_host_usage: float = 0.0
+    # Pooling cores: inputs pooled so far and the seconds their steps took.
+    pooling_requests_total: int = 0
+    pooling_step_seconds: float = 0.0
 
 
 class UtilityResult(msgspec.Struct, array_like=True):
@@ -117,6 +131,7 @@ class EngineCoreOutputs(msgspec.Struct):
     aborted: list[str] = []
     # The core is going away (its loop died): the message to show every waiting request.
     fatal: str | None = None
+    pooled: list[PooledOutput] = []  # pooling requests that ended in this step
 
 
 class CoreInfo(msgspec.Struct):
@@ -129,6 +144,7 @@ class CoreInfo(msgspec.Struct):
     enable_lora: bool
     async_scheduling: bool
     device: str
+    pooling: dict[str, Any] | None = None  # a pooling core's PoolingModelInfo fields; None: it generates
 
 
 def params_to_dict(params: SamplingParams) -> dict[str, Any]:

@@ -26,8 +26,16 @@ def finish_embedding(vector: torch.Tensor, params: PoolingParams) -> torch.Tenso
     """Matryoshka truncation, then L2 normalisation (as sentence-transformers does)."""
     vector = vector.float()
     if params.dimensions is not None:
-        vector = vector[: params.dimensions]
+        vector = vector[..., : params.dimensions]
     return F.normalize(vector, dim=-1) if params.normalize else vector
+
+
+def finish_embeddings(rows: torch.Tensor, params: list[PoolingParams]) -> list[torch.Tensor]:
+    """``finish_embedding`` for every row of a step, on the rows' device when all rows ask the
+    same (one normalisation and one copy for the batch), row by row on the host otherwise."""
+    if all(p == params[0] for p in params):
+        return list(finish_embedding(rows, params[0]).cpu().unbind(0))
+    return [finish_embedding(row, p) for row, p in zip(rows.cpu(), params, strict=True)]
 
 
 def finish_logits(logits: torch.Tensor, params: PoolingParams) -> torch.Tensor:

@@ -1,4 +1,9 @@
-"""One prefill-only forward over a batch of pooling requests; nothing is kept afterwards."""
+"""One prefill-only forward over a batch of pooling requests; nothing is kept afterwards.
+
+``launch`` queues the forward on the device and returns at once; ``PooledBatch.result``
+waits for it and copies the pooled rows to the host. The engine core launches step N+1
+before it collects step N, so the host's work overlaps the device's.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,7 @@ import torch
 
 from tidal_engine.pooling.loader import LoadedPoolingModel
 from tidal_engine.pooling.params import PoolingParams
-from tidal_engine.pooling.pooler import finish_embedding, finish_logits, pool
+from tidal_engine.pooling.pooler import finish_embeddings, finish_logits, pool
 
 
 @dataclass
@@ -22,6 +27,21 @@ class PoolingInput:
         return len(self.token_ids)
 
 
+@dataclass
+class PooledBatch:
+    """A launched step: the pooled rows (still on the device) and each row's parameters."""
+
+    rows: torch.Tensor  # [N, H] float32 embeddings, or [N, labels] logits
+    params: list[PoolingParams]
+    task: str
+
+    def result(self) -> list[torch.Tensor]:
+        """Embeddings (task embed) or scores (task classify) on the CPU, float32, in batch order."""
+        if self.task == "classify":
+            return [finish_logits(row, p) for row, p in zip(self.rows.cpu(), self.params, strict=True)]
+        return finish_embeddings(self.rows, self.params)
+
+
 class PoolingRunner:
     def __init__(self, loaded: LoadedPoolingModel, device: torch.device) -> None:
         self.model = loaded.model
@@ -30,8 +50,7 @@ class PoolingRunner:
         self.device = device
 
     @torch.inference_mode()
-    def run(self, batch: list[PoolingInput]) -> list[torch.Tensor]:
-        """Embeddings (task embed) or scores (task classify) on the CPU, float32, in batch order."""
+    def launch(self, batch: list[PoolingInput]) -> PooledBatch:
         seq_lens = [item.num_tokens for item in batch]
         ids = torch.tensor([t for item in batch for t in item.token_ids], dtype=torch.long)
         positions = torch.cat([torch.arange(n) for n in seq_lens])
@@ -43,8 +62,11 @@ class PoolingRunner:
         hidden = self.model(ids.to(self.device, non_blocking=True), positions.to(self.device, non_blocking=True),
                             token_types, seq_lens)
         pooled = pool(hidden, seq_lens, self.info.method)
+        params = [item.params for item in batch]
         if self.info.task == "classify":
-            logits = self.model.classify(pooled.to(self.dtype)).cpu()
-            return [finish_logits(row, item.params) for row, item in zip(logits, batch, strict=True)]
-        vectors = pooled.float().cpu()
-        return [finish_embedding(row, item.params) for row, item in zip(vectors, batch, strict=True)]
+            return PooledBatch(self.model.classify(pooled.to(self.dtype)), params, "classify")
+        return PooledBatch(pooled.float(), params, "embed")
+
+    def run(self, batch: list[PoolingInput]) -> list[torch.Tensor]:
+        """Launch and wait: one synchronous step."""
+        return self.launch(batch).result()

@@ -103,6 +103,10 @@ def run_api_server(
     core_process: BaseProcess | None = None,
     reuse_port: bool = False,
 ) -> int:
+    if info.pooling is not None:  # a pooling core (embeddings, scores): its own API
+        from tidal_engine.server.pooling import run_pooling_api_server
+
+        return run_pooling_api_server(config, settings, info, addresses, index, core_process, reuse_port)
     from tidal_engine.engine.async_llm import AsyncLLM
     from tidal_engine.models.loader import load_tokenizer
 

@@ -2,12 +2,16 @@
 
 It serves /v1/embeddings, /pooling, /score and /rerank (also /v1/rerank and /v2/rerank)
 beside the probes, /v1/models and /metrics; the generation endpoints answer 400. Texts are
-tokenized here, in the API process, and handed to the PoolingEngine as token ids.
+tokenized here, in the API process, and sent to the engine-core process as token ids, one
+pooling request per input (pooling/client.py); the core's scheduler batches them
+(pooling/core.py).
 """
 
 from __future__ import annotations
 
 import base64
+import dataclasses
+from multiprocessing.process import BaseProcess
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,13 +20,18 @@ import torch.nn.functional as F
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
+from transformers import AutoTokenizer
 
-from tidal_engine.pooling.engine import EngineSleepingError, PoolingEngine
+from tidal_engine.engine.async_engine import EngineDeadError, EngineShuttingDownError, EngineSleepingError
+from tidal_engine.engine.core_proc import CoreAddresses
+from tidal_engine.engine.messages import CoreInfo
+from tidal_engine.models.loader import resolve_model_path
+from tidal_engine.pooling.client import PoolingClient
 from tidal_engine.pooling.params import PoolingParams
 from tidal_engine.pooling.runner import PoolingInput
 from tidal_engine.server.app import ServerSettings
 from tidal_engine.server.base_app import create_base_app
-from tidal_engine.server.errors import (NOT_FOUND, APIError, bad_request, engine_sleeping_error,
+from tidal_engine.server.errors import (NOT_FOUND, APIError, bad_request, 
                                         validation_error_to_api_error)
 from tidal_engine.server.metrics import METRICS_PREFIXES
 from tidal_engine.server.pooling_metrics import PoolingMetrics
@@ -31,7 +40,7 @@ from tidal_engine.server.pooling_protocol import (MAX_INPUTS, EmbeddingData, Emb
                                                   RerankRequest, RerankResponse, RerankResult, RerankUsage,
                                                   ScoreData, ScoreRequest, ScoreResponse, Usage)
 from tidal_engine.server.protocol import ModelCard, ModelList
-from tidal_engine.server.serving import read_json_body
+from tidal_engine.server.serving import _engine_error, read_json_body
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 
@@ -44,12 +53,12 @@ def encode_floats(vector: torch.Tensor, encoding_format: str) -> list[float] | s
 
 
 class PoolingServing:
-    def __init__(self, engine: PoolingEngine, served_model_names: list[str], model_source: str) -> None:
+    def __init__(self, engine: PoolingClient, served_model_names: list[str], model_source: str) -> None:
         self.engine = engine
         self.names = served_model_names
         self.model_source = model_source
         self.tokenizer = engine.tokenizer
-        self.info = engine.info
+        self.info = engine.pooling_info
 
     # -------------------------------------------------------------- checks
 
@@ -86,8 +95,8 @@ class PoolingServing:
     async def _encode(self, inputs: list[PoolingInput]) -> list[torch.Tensor]:
         try:
             return await self.engine.encode(inputs)
-        except EngineSleepingError:
-            raise engine_sleeping_error() from None
+        except (EngineDeadError, EngineSleepingError, EngineShuttingDownError, ValueError) as exc:
+            raise _engine_error(exc) from None
 
     # -------------------------------------------------------------- tokenizing
 
@@ -223,7 +232,7 @@ class PoolingServing:
                               results=results)
 
 
-def build_pooling_app(engine: PoolingEngine, settings: ServerSettings) -> FastAPI:
+def build_pooling_app(engine: PoolingClient, settings: ServerSettings) -> FastAPI:
     names = settings.served_model_names or [engine.model_name]
     serving = PoolingServing(engine, names, settings.model_source or names[0])
     metrics = PoolingMetrics(engine, names[0], METRICS_PREFIXES[settings.metrics_prefix])
@@ -257,23 +266,32 @@ def build_pooling_app(engine: PoolingEngine, settings: ServerSettings) -> FastAP
     async def sleep(level: int = 1, mode: str = "wait") -> JSONResponse:
         if mode not in ("wait", "abort"):
             raise bad_request(f"mode must be wait or abort, got {mode!r}", "mode")
+        if level not in (1, 2):
+            raise bad_request(f"level must be 1 or 2, got {level}", "level")
         try:
             await engine.sleep(level, mode)
         except ValueError as exc:
             raise bad_request(str(exc)) from None
-        return JSONResponse({"is_sleeping": engine.is_sleeping, "level": engine.sleep_level})
+        except (EngineDeadError, EngineShuttingDownError) as exc:
+            raise _engine_error(exc) from None
+        return JSONResponse({"is_sleeping": await engine.is_sleeping(), "level": engine.snapshot.sleep_level})
 
     @app.post("/wake_up")
     async def wake_up() -> JSONResponse:
-        await engine.wake_up()
-        return JSONResponse({"is_sleeping": engine.is_sleeping})
+        try:
+            await engine.wake_up()
+        except ValueError as exc:
+            raise bad_request(str(exc)) from None
+        except (EngineDeadError, EngineShuttingDownError) as exc:
+            raise _engine_error(exc) from None
+        return JSONResponse({"is_sleeping": await engine.is_sleeping()})
 
     @app.get("/is_sleeping")
     async def is_sleeping() -> JSONResponse:
-        return JSONResponse({"is_sleeping": engine.is_sleeping})
+        return JSONResponse({"is_sleeping": await engine.is_sleeping()})
 
     async def not_generative(_: Request) -> Response:
-        raise bad_request(f"`{names[0]}` is a pooling model ({engine.info.task}); it does not generate text. "
+        raise bad_request(f"`{names[0]}` is a pooling model ({engine.pooling_info.task}); it does not generate text. "
                           "Use /v1/embeddings, /pooling, /score or /rerank.")
 
     for path in GENERATION_PATHS:
@@ -282,19 +300,25 @@ def build_pooling_app(engine: PoolingEngine, settings: ServerSettings) -> FastAP
 
 
 def serve_pooling(config: Any, settings: ServerSettings) -> int:
-    """Load the pooling model in this process and serve it until SIGINT/SIGTERM."""
-    from tidal_engine.server.app import run_server
+    """Serve a pooling model: its engine core in a child process, this process the API server."""
+    from tidal_engine.server.launcher import serve
 
-    names = settings.served_model_names or [config.served_model_name or config.model]
     if config.enable_lora:
         raise ValueError("--enable-lora needs --runner generate: pooling models take no adapters")
-    engine = PoolingEngine.from_model(
-        config.model, names[0], convert=config.convert, dtype=config.dtype, device=config.device,
-        max_model_len=config.max_model_len, tokenizer=config.tokenizer, max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens, enable_sleep_mode=config.enable_sleep_mode,
-    )
-    return run_server(engine, settings, app=build_pooling_app(engine, settings),  # type: ignore[arg-type]
-                      hint=pooling_curl_hint(settings, names[0], engine.info.task))
+    return serve(dataclasses.replace(config, runner="pooling"), settings)
+
+
+def run_pooling_api_server(config: Any, settings: ServerSettings, info: CoreInfo, addresses: CoreAddresses,
+                           index: int, core_process: BaseProcess | None = None, reuse_port: bool = False) -> int:
+    """The API server of a pooling core (launcher.run_api_server hands over here)."""
+    from tidal_engine.server.app import run_server
+
+    names = settings.served_model_names or [info.model_name]
+    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or str(resolve_model_path(config.model)))
+    client = PoolingClient(tokenizer, info, addresses, index, enable_sleep_mode=config.enable_sleep_mode,
+                           core_process=core_process)
+    return run_server(client, settings, app=build_pooling_app(client, settings), reuse_port=reuse_port,  # type: ignore[arg-type]
+                      hint=pooling_curl_hint(settings, names[0], client.pooling_info.task))
 
 
 def pooling_curl_hint(settings: ServerSettings, model_name: str, task: str) -> str:
