@@ -8,10 +8,10 @@ Workloads (issue 19):
 Both sides tokenize the same texts with the same tokenizer inside the timed region, and return
 normalised float32 vectors on the host. sentence-transformers runs with its defaults (fp32,
 batch 32; sentence-transformers 6 loads the checkpoint's own dtype: fp32 for MiniLM, bf16 for the
-Qwen3 folder) and, on the GPU, also with batch 128 and in fp32.
-Tidal runs its offline path (``PoolingEngine.encode_offline``: longest first, token-budget steps)
-and the server's path (``PoolingEngine.encode``: the queue and worker thread every HTTP request
-goes through). Each side first warms up on 512 texts; then ``--repeats`` rounds run every side once each
+Qwen3 folder) and, on the GPU, also with batch 128 (and in fp32 with ``--with-fp32``).
+Tidal runs its offline path (the pooling engine core in process: longest first, token-budget
+steps) and the server's path (the API server's client against a real engine-core process, requests
+of 64 texts tokenized and sent while the core computes; see ``tidal_runners``). Each side first warms up on 512 texts; then ``--repeats`` rounds run every side once each
 (interleaved), and the reported time is each side's best.
 
   python benchmarks/embed_bench.py --workload minilm-cpu --out benchmarks/results/embed_cpu_minilm.json
@@ -71,28 +71,64 @@ def best_of(repeats: int, run: Runner, texts: list[str]) -> tuple[float, Any]:
 Runner = Callable[[list[str]], torch.Tensor]
 
 
-def tidal_runners(model: str, device: str, budget: int | None) -> dict[str, Runner]:
-    from tidal_engine.pooling.engine import PoolingEngine
-    from tidal_engine.pooling.runner import PoolingInput
+SERVED_CHUNK = 64  # texts per request on the served path, as concurrent HTTP clients would post them
 
-    engine = PoolingEngine.from_model(model, "bench", device=device, max_num_batched_tokens=budget)
-    limit = engine.max_model_len
+
+def tidal_runners(model: str, device: str, budget: int | None) -> dict[str, Runner]:
+    """Tidal's offline path (``PoolingEngineCore.encode_offline`` in this process: tokenize
+    everything, then longest-first token-budget steps) and its served path (``PoolingClient``,
+    the API server's client, against a real engine-core process over ZeroMQ: requests of
+    ``SERVED_CHUNK`` texts are tokenized and sent one after another while the core computes)."""
+    import tempfile
+
+    from tidal_engine.config import EngineConfig
+    from tidal_engine.engine.core_proc import CoreAddresses
+    from tidal_engine.pooling.client import PoolingClient
+    from tidal_engine.pooling.core import PoolingEngineCore
+    from tidal_engine.pooling.runner import PoolingInput
+    from tidal_engine.server.launcher import start_engine_core
+
+    engine = PoolingEngineCore.from_model(model, "bench", device=device, max_num_batched_tokens=budget)
+    tokenizer, limit = engine.tokenizer, engine.max_model_len
 
     def inputs(texts: list[str]) -> list[PoolingInput]:
-        encoded = engine.tokenizer(texts, truncation=True, max_length=limit)["input_ids"]
+        encoded = tokenizer(texts, truncation=True, max_length=limit)["input_ids"]
         return [PoolingInput(ids) for ids in encoded]
 
     def offline(texts: list[str]) -> torch.Tensor:
         return torch.stack(engine.encode_offline(inputs(texts)))
 
+    workdir = tempfile.mkdtemp(prefix="embed-bench-")
+    addresses = CoreAddresses(input=f"ipc://{workdir}/in", outputs=[f"ipc://{workdir}/out"])
+    config = EngineConfig(model=model, runner="pooling", device=device, max_num_batched_tokens=budget)
+    process, info = start_engine_core(config, addresses)
+    client = PoolingClient(tokenizer, info, addresses, core_process=process)
+    loop = asyncio.new_event_loop()
+
+    async def start() -> None:
+        client.start()
+
+    loop.run_until_complete(start())
+
+    async def send_all(texts: list[str]) -> list[torch.Tensor]:
+        parts = []
+        for first in range(0, len(texts), SERVED_CHUNK):
+            parts.append(asyncio.ensure_future(client.encode(inputs(texts[first : first + SERVED_CHUNK]))))
+            await asyncio.sleep(0)  # send it now; read what the core has answered so far
+        return [vector for part in await asyncio.gather(*parts) for vector in part]
+
     def served(texts: list[str]) -> torch.Tensor:
-        async def go() -> list[torch.Tensor]:
-            engine.start()
-            return await engine.encode(inputs(texts))
+        return torch.stack(loop.run_until_complete(send_all(texts)))
 
-        return torch.stack(asyncio.run(go()))
+    def stop() -> None:
+        loop.run_until_complete(client.shutdown(10))
+        loop.close()
 
+    STOPS.append(stop)
     return {"tidal_offline": offline, "tidal_served_path": served}
+
+
+STOPS: list[Callable[[], None]] = []  # the served path's engine core, stopped at the end
 
 
 run_dtypes: dict[str, str] = {}  # what each sentence-transformers baseline actually ran in
@@ -134,6 +170,9 @@ def main() -> None:
     ap.add_argument("--shape", default="qwen3-0.6b", help="gpu_bench shape (tiny-test: a CPU dry run)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--with-fp32", action="store_true", help="GPU: also time sentence-transformers in fp32")
+    ap.add_argument("--profile", action="store_true",
+                    help="after timing: profile the offline path on 1,024 texts, top ops to <out>.profile.txt")
     args = ap.parse_args()
     gpu = args.workload.endswith("gpu")
     results: dict[str, Any] = {
@@ -162,8 +201,9 @@ def main() -> None:
         baselines = {  # default: the checkpoint's dtype (bf16), as sentence-transformers 6 loads it
             "st_default_b32": st_runner(folder, device, "lasttoken", None, 32, True),
             "st_default_b128": st_runner(folder, device, "lasttoken", None, 128, True),
-            "st_fp32_b32": st_runner(folder, device, "lasttoken", torch.float32, 32, True),
         }
+        if args.with_fp32:  # about 70 s on the H200 for 10,000 texts: opt-in
+            baselines["st_fp32_b32"] = st_runner(folder, device, "lasttoken", torch.float32, 32, True)
         tokens_per_text = 256
     else:
         from tidal_engine.models.loader import resolve_model_path
@@ -206,6 +246,16 @@ def main() -> None:
     results["speedup_vs_st_default"] = {name: base / t["seconds"] for name, t in timings.items()}
     save()
     print(json.dumps({k: results[k] for k in ("speedup_vs_st", "min_cosine_vs_st_default")}, indent=1))
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        with profile(activities=activities) as prof:
+            best_of(1, tidal["tidal_offline"], texts[:1024])
+        sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+        Path(f"{out}.profile.txt").write_text(prof.key_averages().table(sort_by=sort, row_limit=40))
+    for stop in STOPS:
+        stop()
 
 
 if __name__ == "__main__":

@@ -35,25 +35,33 @@ class DecoderPoolingModel(nn.Module):
         return self.config.max_position_embeddings
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, token_type_ids: torch.Tensor | None, seq_lens: list[int]
+        self, input_ids: torch.Tensor, positions: torch.Tensor, token_type_ids: torch.Tensor | None, seq_lens: list[int],
+        keep_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Packed ``[T]`` ids → final-normed ``[T, hidden]``."""
+        """Packed ``[T]`` ids → final-normed ``[T, hidden]``; with ``keep_rows``, only those rows
+        ``[N, hidden]``: the last layer then runs its output projection and MLP on them alone
+        (no later layer reads the other rows), which is all last-token pooling needs."""
         del token_type_ids  # decoders have no segment embedding
         hidden = self.decoder.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
-        for layer in self.decoder.layers:
+        last = len(self.decoder.layers) - 1
+        for index, layer in enumerate(self.decoder.layers):
             if residual is None:
                 residual, hidden = hidden, layer.input_layernorm(hidden)
             else:
                 hidden, residual = layer.input_layernorm(hidden, residual)
-            hidden = self._attend(layer, positions, hidden, seq_lens)
+            rows = keep_rows if index == last else None
+            hidden = self._attend(layer, positions, hidden, seq_lens, rows)
+            if rows is not None:
+                residual = residual[rows]
             hidden, residual = layer.post_attention_layernorm(hidden, residual)
             hidden = layer.mlp(hidden)
         hidden, _ = self.decoder.norm(hidden, residual)
         return hidden
 
     @staticmethod
-    def _attend(layer: DecoderLayer, positions: torch.Tensor, hidden: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
+    def _attend(layer: DecoderLayer, positions: torch.Tensor, hidden: torch.Tensor, seq_lens: list[int],
+                rows: torch.Tensor | None = None) -> torch.Tensor:
         attn = layer.self_attn
         tokens = hidden.shape[0]
         q, k, v = attn.qkv_proj.split(attn.qkv_proj(hidden))
@@ -69,7 +77,8 @@ class DecoderPoolingModel(nn.Module):
             causal=True,
             scale=attn.head_dim**-0.5,
         )
-        return attn.o_proj(out.reshape(tokens, -1))
+        out = out.reshape(tokens, -1)
+        return attn.o_proj(out if rows is None else out[rows])
 
     def classify(self, last_tokens: torch.Tensor) -> torch.Tensor:
         """Hidden states of each request's last token → ``[N, num_labels]`` float32 logits."""

@@ -59,9 +59,13 @@ class PoolingRunner:
             token_types = torch.tensor(
                 [t for item in batch for t in (item.token_type_ids or [0] * item.num_tokens)], dtype=torch.long
             ).to(self.device, non_blocking=True)
-        hidden = self.model(ids.to(self.device, non_blocking=True), positions.to(self.device, non_blocking=True),
-                            token_types, seq_lens)
-        pooled = pool(hidden, seq_lens, self.info.method)
+        ids, positions = ids.to(self.device, non_blocking=True), positions.to(self.device, non_blocking=True)
+        if self.info.method == "last" and getattr(self.model, "is_causal", False):
+            # Decoders pool inside the model: their last layer's MLP runs on the pooled rows only.
+            last_rows = torch.tensor(seq_lens).cumsum(0).sub_(1).to(self.device, non_blocking=True)
+            pooled = self.model(ids, positions, token_types, seq_lens, keep_rows=last_rows)
+        else:
+            pooled = pool(self.model(ids, positions, token_types, seq_lens), seq_lens, self.info.method)
         params = [item.params for item in batch]
         if self.info.task == "classify":
             return PooledBatch(self.model.classify(pooled.to(self.dtype)), params, "classify")
