@@ -72,7 +72,7 @@ class DecoderPoolingModel(nn.Module):
         out = packed_attention(
             q.view(tokens, attn.num_heads, attn.head_dim),
             k.view(tokens, attn.num_kv_heads, attn.head_dim),
-            v.contiguous().view(tokens, attn.num_kv_heads, attn.head_dim),
+            v.unflatten(-1, (attn.num_kv_heads, attn.head_dim)),  # a strided view: attention reads it in place
             seq_lens,
             causal=True,
             scale=attn.head_dim**-0.5,

@@ -34,10 +34,14 @@ from tidal_engine.engine.messages import CoreStats, PooledOutput
 from tidal_engine.pooling.loader import ConvertOption, load_pooling_model
 from tidal_engine.pooling.params import PoolingModelInfo, PoolingParams
 from tidal_engine.pooling.runner import PooledBatch, PoolingInput, PoolingRunner
+from tidal_engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 BLOCK_SIZE = 16
+# Pooling requests sample nothing; one shared default spares each request SamplingParams'
+# validation (the scheduler reads only its priority).
+NO_SAMPLING = SamplingParams()
 
 
 def default_token_budget(device: torch.device) -> int:
@@ -124,7 +128,7 @@ class PoolingEngineCore:
             raise ValueError(f"token ids must be in [0, {self.vocab_size})")
         if token_type_ids is not None and len(token_type_ids) != len(token_ids):
             raise ValueError("token_type_ids must have one entry per token")
-        self.scheduler.add_request(Request(request_id, token_ids, arrival_time=arrival_time,
+        self.scheduler.add_request(Request(request_id, token_ids, NO_SAMPLING, arrival_time=arrival_time,
                                            pooling_params=params, token_type_ids=token_type_ids))
 
     def add_request(self, *_: Any, **__: Any) -> None:

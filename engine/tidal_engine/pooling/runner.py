@@ -8,7 +8,9 @@ before it collects step N, so the host's work overlaps the device's.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
+import numpy as np
 import torch
 
 from tidal_engine.pooling.loader import LoadedPoolingModel
@@ -52,7 +54,8 @@ class PoolingRunner:
     @torch.inference_mode()
     def launch(self, batch: list[PoolingInput]) -> PooledBatch:
         seq_lens = [item.num_tokens for item in batch]
-        ids = torch.tensor([t for item in batch for t in item.token_ids], dtype=torch.long)
+        ids = torch.from_numpy(np.fromiter(chain.from_iterable(item.token_ids for item in batch), np.int64,
+                                           sum(seq_lens)))
         positions = torch.cat([torch.arange(n) for n in seq_lens])
         token_types = None
         if any(item.token_type_ids is not None for item in batch):
