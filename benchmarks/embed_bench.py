@@ -170,6 +170,8 @@ def main() -> None:
     ap.add_argument("--shape", default="qwen3-0.6b", help="gpu_bench shape (tiny-test: a CPU dry run)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--st-batch-sizes", type=int, nargs="*", default=[32, 128],
+                    help="GPU: sentence-transformers batch sizes to time (32, its default, always)")
     ap.add_argument("--with-fp32", action="store_true", help="GPU: also time sentence-transformers in fp32")
     ap.add_argument("--profile", action="store_true",
                     help="after timing: profile the offline path on 1,024 texts, top ops to <out>.profile.txt")
@@ -199,8 +201,8 @@ def main() -> None:
         results["shape"] = args.shape
         tidal = tidal_runners(folder, device, None)
         baselines = {  # default: the checkpoint's dtype (bf16), as sentence-transformers 6 loads it
-            "st_default_b32": st_runner(folder, device, "lasttoken", None, 32, True),
-            "st_default_b128": st_runner(folder, device, "lasttoken", None, 128, True),
+            f"st_default_b{size}": st_runner(folder, device, "lasttoken", None, size, True)
+            for size in sorted({32, *args.st_batch_sizes})
         }
         if args.with_fp32:  # about 70 s on the H200 for 10,000 texts: opt-in
             baselines["st_fp32_b32"] = st_runner(folder, device, "lasttoken", torch.float32, 32, True)
