@@ -104,3 +104,28 @@ def test_bad_pooling_input_is_a_value_error(core: PoolingEngineCore) -> None:
         core.add_pooling_request("long", [1] * (core.max_model_len + 1), PoolingParams())
     with pytest.raises(ValueError, match="does not generate"):
         core.add_request("chat", [1, 2])
+
+
+def test_the_client_fails_pooling_requests_the_core_ends(core: PoolingEngineCore) -> None:
+    """Outputs, refusals and sleep-aborts from the core reach the API server's pending inputs."""
+    import asyncio
+
+    from tidal_engine.engine.async_engine import EngineSleepingError
+    from tidal_engine.engine.core_proc import CoreAddresses, core_info
+    from tidal_engine.engine.messages import EngineCoreOutputs, PooledOutput
+    from tidal_engine.pooling.client import PoolingClient
+
+    async def scenario() -> tuple[torch.Tensor, BaseException | None, BaseException | None]:
+        client = PoolingClient(core.tokenizer, core_info(core), CoreAddresses("ipc://unused", ["ipc://unused"]))
+        loop = asyncio.get_running_loop()
+        done, refused, aborted = loop.create_future(), loop.create_future(), loop.create_future()
+        client._pooled.update(done=done, refused=refused, aborted=aborted)
+        client._handle(EngineCoreOutputs(
+            pooled=[PooledOutput("done", torch.tensor([0.6, 0.8]).numpy().tobytes())],
+            rejected={"refused": ("ValueError", "token ids must be in [0, 10)", 400)}, aborted=["aborted"]))
+        return done.result(), refused.exception(), aborted.exception()
+
+    vector, refused, aborted = asyncio.run(scenario())
+    assert vector.tolist() == pytest.approx([0.6, 0.8])
+    assert isinstance(refused, ValueError) and "token ids" in str(refused)
+    assert isinstance(aborted, EngineSleepingError)  # the server answers 503 with Retry-After

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from tidal_engine.engine.async_engine import EngineShuttingDownError
+from tidal_engine.engine.async_engine import EngineShuttingDownError, EngineSleepingError
 from tidal_engine.engine.async_llm import AsyncLLM, _rebuild_error
 from tidal_engine.engine.core_proc import CoreAddresses, EngineCoreProc, core_info
 from tidal_engine.engine.messages import AbortRequests, CoreInfo, EngineCoreOutputs, EngineCoreRequest
@@ -111,6 +111,10 @@ class PoolingClient(AsyncLLM):
             future = self._pooled.get(request_id)
             if future is not None and not future.done():
                 future.set_exception(_rebuild_error(kind, message, status))
+        for request_id in out.aborted:  # the core ended it: a sleep with mode "abort"
+            future = self._pooled.get(request_id)
+            if future is not None and not future.done():
+                future.set_exception(EngineSleepingError("aborted: the engine was put to sleep"))
         super()._handle(out)
 
     def _die(self, error: Any) -> None:
