@@ -6,9 +6,10 @@ import asyncio
 
 from tidal_operator import labels as L
 from tidal_operator.router.registry import (
-    Registry, RegistryState, SecretRef, apply_llmservice_event, apply_pod_event, decode_secret_value,
+    Registry, RegistryState, SecretRef, apply_llmservice_event, apply_pod_event,
     observe_sleep_state, parse_adapters_annotation, replace_llmservices, replace_pods,
 )
+from tidal_operator.secret_refs import secret_value
 
 from router_upstreams import llmservice, pod
 
@@ -143,9 +144,9 @@ def test_same_served_name_in_two_namespaces_resolves_deterministically() -> None
 
 
 def test_secret_values_are_decoded() -> None:
-    assert decode_secret_value({"data": {"api-key": "c2VjcmV0Cg=="}}, "api-key") == "secret"
-    assert decode_secret_value({"stringData": {"api-key": "plain"}}, "api-key") == "plain"
-    assert decode_secret_value({"data": {}}, "api-key") is None
+    assert secret_value({"data": {"api-key": "c2VjcmV0Cg=="}}, "api-key") == "secret"
+    assert secret_value({"stringData": {"api-key": "plain"}}, "api-key") == "plain"
+    assert secret_value({"data": {}}, "api-key") is None
 
 
 async def test_registry_notifies_waiters_and_keeps_engine_keys_out_of_state() -> None:

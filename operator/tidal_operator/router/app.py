@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import contextlib
 import logging
 import os
@@ -25,6 +24,7 @@ from tidal_operator.router.metrics import RouterMetrics
 from tidal_operator.router.proxy import Proxy, RouterConfig
 from tidal_operator.router.registry import KubernetesWatcher, Registry
 from tidal_operator.router.waker import DemandBook, WakeLease, Waker
+from tidal_operator.secret_refs import secret_value
 
 log = logging.getLogger("tidal.router")
 
@@ -185,7 +185,8 @@ async def _refresh_router_keys(api_client: Any, secret: str, keys: ApiKeys, stat
     while True:
         try:
             obj = await core.read_namespaced_secret(name, namespace or "default")
-            values = [base64.b64decode(v).decode().strip() for v in (obj.data or {}).values() if v]
+            secret = {"data": obj.data or {}}
+            values = [v for k in sorted(secret["data"]) if (v := secret_value(secret, k))]
             keys.set([*static, *values])
         except Exception as exc:  # keep the last good keys
             log.warning("cannot read router API key Secret %s: %s", secret, type(exc).__name__)

@@ -10,7 +10,6 @@ the API server.
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import logging
 import random
@@ -19,6 +18,7 @@ from types import MappingProxyType
 from typing import Any, Callable, Iterable, Literal, Mapping
 
 from tidal_operator import labels as L
+from tidal_operator.secret_refs import secret_value
 
 log = logging.getLogger("tidal.router.registry")
 
@@ -456,15 +456,6 @@ class Registry:
 
 # --- feeding it from Kubernetes -----------------------------------------------------------
 
-def decode_secret_value(secret: Mapping[str, Any], key: str) -> str | None:
-    data = secret.get("data") or {}
-    if key in data and data[key] is not None:
-        return base64.b64decode(data[key]).decode().strip()
-    string_data = secret.get("stringData") or {}
-    value = string_data.get(key)
-    return value.strip() if isinstance(value, str) else None
-
-
 ROUTER_SECRET = "tidal.dev/router-secret"  # the operator's key copies (controller/router_secrets.py)
 SOURCE_SECRET = "tidal.dev/source-secret"
 SOURCE_KEY = "tidal.dev/source-key"
@@ -502,12 +493,12 @@ class KeyCopies:
             kind = (meta.get("labels") or {}).get(ROUTER_SECRET)
             if kind == "engine-key" and SOURCE_SECRET in annotations:
                 namespace, _, name = annotations[SOURCE_SECRET].partition("/")
-                value = decode_secret_value(obj, "api-key")
+                value = secret_value(obj, "api-key")
                 if value:
                     engine[SecretRef(namespace, name, annotations.get(SOURCE_KEY) or DEFAULT_API_KEY_KEY)] = value
             elif kind == "client-keys" and annotations.get(NAMESPACE_ANNOTATION):
                 # Several Secrets may hold one namespace's keys; each opens that namespace only.
-                values = [decode_secret_value(obj, k) for k in sorted((obj.get("data") or {}))]
+                values = [secret_value(obj, k) for k in sorted((obj.get("data") or {}))]
                 tenants.setdefault(annotations[NAMESPACE_ANNOTATION], []).extend(v for v in values if v)
         for ref in self.registry.secret_refs() - engine.keys():
             self.registry.set_secret(ref, None)
