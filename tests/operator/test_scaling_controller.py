@@ -175,7 +175,8 @@ async def test_the_autoscaler_applies_its_own_fields_and_leaves_other_managers_a
     engine = ScalingTestEngine(running=4, waiting=5)
     async with engines(engine) as port:
         await cluster.llm("m", port=port, autoscaling=AUTOSCALING)
-        ready = {"type": "Ready", "status": "True", "reason": "ReplicasReady", "lastTransitionTime": "2025-06-15T00:00:00Z"}
+        ready = {"type": "Ready", "status": "True", "reason": "ReplicasReady",
+                 "lastTransitionTime": "2025-06-15T00:00:00Z"}
         adapters = {"type": "AdaptersReady", "status": "True", "reason": "NoAdapters",
                     "lastTransitionTime": "2025-06-15T00:00:00Z"}
         await cluster.kube.apply_llmservice_status(NS, "m", {"phase": "Ready", "sleepingReplicas": 0,

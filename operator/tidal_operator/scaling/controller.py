@@ -380,7 +380,8 @@ class ServiceAutoscaler:
             log.info("%s/%s: %d -> %d: %s", self.namespace, self.name, decision.previous, decision.desired,
                      decision.reason)
             await self._event(llm, verb, f"{decision.previous} -> {decision.desired}: {decision.reason}")
-        desired_written = decision is not None and (decision.changed or status.get("desiredReplicas") != decision.desired)
+        desired_written = decision is not None and (decision.changed
+                                                    or status.get("desiredReplicas") != decision.desired)
         if desired_written and self.on_change is not None:
             try:
                 await self.on_change(self.namespace, self.name)
