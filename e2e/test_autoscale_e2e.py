@@ -310,7 +310,7 @@ def test_request_through_the_router_wakes_it(scenario: Scenario) -> None:
     pods_seen = {obj["metadata"]["name"] for _, _, obj in scenario.pod_watch.snapshot()}
     history_before = sup.history(scenario.llm())
 
-    began = time.monotonic()
+    began, asked_at = time.monotonic(), time.time()
     answer = scenario.ask("wake")
     scenario.step("request to the sleeping replica answered", began)
     scenario.woken_at = time.time()
@@ -321,7 +321,11 @@ def test_request_through_the_router_wakes_it(scenario: Scenario) -> None:
     assert pod["metadata"]["name"] == scenario.sleeper  # woken, not replaced
     assert sup.engine_sleeping(pod, PORT, ENGINE_KEY) is False
     assert scenario.demand()["totalHeld"] == held_before + 1  # held while the replica woke
-    st.wait_for(lambda: scenario.live_pods()[0]["metadata"]["labels"].get(sup.SLEEP_STATE) == "awake",
+    # The label followed the wake. Read from the Pod watch: on a slow box the replica can be
+    # asleep again (afterIdleSeconds after it answered) before a poll of the Pod would see it.
+    st.wait_for(lambda: any(obj["metadata"]["name"] == scenario.sleeper
+                            and obj["metadata"]["labels"].get(sup.SLEEP_STATE) == "awake"
+                            for _, _, obj in scenario.pod_watch.snapshot(since=asked_at)),
                 30, "the Pod labelled awake")
     assert {obj["metadata"]["name"] for _, _, obj in scenario.pod_watch.snapshot()} == pods_seen  # no new Pod
     assert sup.history(scenario.llm()) == history_before  # a wake is not a scaling decision
