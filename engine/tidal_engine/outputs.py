@@ -50,3 +50,6 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     extra: dict[str, object] = field(default_factory=dict)
+    # vLLM's prompt_logprobs: None for the first prompt token, then each token's position
+    # logprobs (it and the top alternatives); None when not asked (or not yet computed).
+    prompt_logprobs: list[PositionLogprobs | None] | None = None

@@ -24,6 +24,8 @@ class SamplingParams:
     max_tokens: int | None = 16  # None: up to the context length
     min_tokens: int = 0
     logprobs: int | None = None  # number of top logprobs besides the sampled token
+    # Logprobs of the prompt's tokens (each given the ones before) plus this many top alternatives.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None  # constrain the output (JSON schema, regex, …)
@@ -87,6 +89,11 @@ class SamplingParams:
             not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool) or not 0 <= self.logprobs <= 20
         ):
             fail(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (
+            not isinstance(self.prompt_logprobs, int) or isinstance(self.prompt_logprobs, bool)
+            or not 0 <= self.prompt_logprobs <= 20
+        ):
+            fail(f"prompt_logprobs must be an integer in [0, 20], got {self.prompt_logprobs!r}")
         if self.allowed_token_ids is not None and (
             not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids
             or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.allowed_token_ids)

@@ -136,11 +136,18 @@ def test_plain_and_streamed_equal_the_offline_engine(served: Served, offline: LL
 
 
 def test_n_and_logprobs_equal_the_offline_engine(served: Served, offline: LLM) -> None:
-    params = SamplingParams(n=3, temperature=0.9, seed=7, max_tokens=10, ignore_eos=True, logprobs=2)
+    params = SamplingParams(n=3, temperature=0.9, seed=7, max_tokens=10, ignore_eos=True, logprobs=2, prompt_logprobs=1)
     expected = offline.generate([PROMPTS[0]], params)[0]
     answer = served.client().completions.create(model="tiny", prompt=PROMPTS[0], n=3, temperature=0.9, seed=7,
-                                                max_tokens=10, logprobs=2, extra_body={"ignore_eos": True})
+                                                max_tokens=10, logprobs=2,
+                                                extra_body={"ignore_eos": True, "prompt_logprobs": 1})
     got = sorted(answer.choices, key=lambda c: c.index)
+    # The prompt's logprobs cross the core/API-server split too (with sample 0's first token).
+    assert expected.prompt_logprobs is not None
+    served_prompt = got[0].model_extra["prompt_logprobs"]
+    assert len(served_prompt) == len(expected.prompt_logprobs) and served_prompt[0] is None
+    for entry, position, token in zip(served_prompt[1:], expected.prompt_logprobs[1:], expected.prompt_token_ids[1:]):
+        assert entry[str(token)]["logprob"] == pytest.approx(position[token].logprob, abs=1e-4)
     assert [c.text for c in got] == [o.text for o in expected.outputs]
     for choice, output in zip(got, expected.outputs):
         assert choice.logprobs is not None and len(choice.logprobs.token_logprobs) == 10

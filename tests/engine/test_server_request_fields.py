@@ -102,10 +102,15 @@ def test_include_stop_str_in_output(client: httpx.Client) -> None:
     assert kept == text[: text.index(stop) + len(stop)]
 
 
-def test_skip_and_space_special_tokens_are_accepted(client: httpx.Client) -> None:
-    base = complete(client)["choices"][0]["text"]
-    assert complete(client, skip_special_tokens=False, spaces_between_special_tokens=False)["choices"][0]["text"] \
-        .replace("<|im_end|>", "") == base.replace("<|im_end|>", "")
+def test_skip_and_space_special_tokens(client: httpx.Client) -> None:
+    (special,) = tokenize(client, prompt="<|im_start|>", add_special_tokens=False)
+    body = {"allowed_token_ids": [special], "max_tokens": 3}  # an answer of special tokens only
+    assert complete(client, **body)["choices"][0]["text"] == ""
+    shown = complete(client, skip_special_tokens=False, **body)["choices"][0]["text"]
+    assert shown == "<|im_start|>" * 3
+    # Accepted; a fast tokenizer puts no spaces between special tokens either way (vLLM's fast detokenizer too).
+    assert complete(client, skip_special_tokens=False, spaces_between_special_tokens=False,
+                    **body)["choices"][0]["text"] == shown
 
 
 def test_completion_echo(client: httpx.Client) -> None:
@@ -241,8 +246,17 @@ def test_prompt_logprobs_match_the_model(client: httpx.Client) -> None:
         assert set(map(str, top)) <= set(entry) and len(entry) <= 3
         ranked = sorted(entry.values(), key=lambda e: e["rank"])
         assert ranked[0]["rank"] == 1
+    # Streamed: the first chunk carries them.
+    streamed = events(client.post("/v1/completions", json={"prompt": prompt, "prompt_logprobs": 2, "max_tokens": 2,
+                                                           "stream": True, **GREEDY}))
+    assert streamed[0]["choices"][0]["prompt_logprobs"] == entries
+    assert all(c["choices"][0]["prompt_logprobs"] is None for c in streamed[1:])
     chat_data = chat(client, prompt_logprobs=0, max_tokens=1)
     assert len(chat_data["prompt_logprobs"]) == chat_data["usage"]["prompt_tokens"]
+    chat_streamed = events(client.post("/v1/chat/completions", json={"messages": MSG, "prompt_logprobs": 0,
+                                                                      "max_tokens": 3, "stream": True, **GREEDY}))
+    carried = [c["prompt_logprobs"] for c in chat_streamed if "prompt_logprobs" in c]
+    assert carried == [chat_data["prompt_logprobs"]]
     assert complete(client)["choices"][0]["prompt_logprobs"] is None
 
 
@@ -259,6 +273,13 @@ def test_echo_with_logprobs_starts_with_the_prompt(client: httpx.Client) -> None
     assert logprobs["token_logprobs"][num_prompt:] == plain["token_logprobs"]
     assert logprobs["text_offset"][num_prompt] == len(prompt)
     assert data["choices"][0]["text"].startswith(prompt)
+    streamed = events(client.post("/v1/completions", json={"prompt": prompt, "logprobs": 1, "max_tokens": 3,
+                                                           "echo": True, "stream": True, **GREEDY}))
+    joined: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for chunk in streamed:
+        for key in joined:
+            joined[key] += chunk["choices"][0]["logprobs"][key]
+    assert joined == logprobs
 
 
 def test_greedy_outputs_under_generation_config_vllm_are_unchanged(client: httpx.Client, tmp_path: Path) -> None:

@@ -70,7 +70,7 @@ class KVCacheManager:
 
         Takes no references: pass the blocks to ``allocate_slots`` right away.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.skips_prefix_cache:
             return [], 0
         # The last token is always recomputed, so the hit never needs its block's hash.
         hashes = request.update_block_hashes(self.block_size, request.num_tokens - 1)
@@ -131,7 +131,7 @@ class KVCacheManager:
         (e.g. a sibling computed the same prompt in the same step), the existing mapping wins
         and this request's copy stays private, to be reused first once freed.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.skips_prefix_cache:
             return []
         blocks = self._req_blocks.get(request.request_id)
         if not blocks:

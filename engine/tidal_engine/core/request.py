@@ -100,6 +100,11 @@ class Request:
         return len(self.prompt_token_ids)
 
     @property
+    def skips_prefix_cache(self) -> bool:
+        """prompt_logprobs need every prompt position computed: no cached prefix (as in vLLM)."""
+        return self.sampling_params.prompt_logprobs is not None
+
+    @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 

@@ -298,7 +298,8 @@ class Scheduler:
                 num_hit, num_new, block_ids = 0, request.num_tokens, []
             else:
                 computed_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
-                if self.connector is not None and self._start_load(request, computed_blocks, num_hit):
+                if self.connector is not None and not request.skips_prefix_cache \
+                        and self._start_load(request, computed_blocks, num_hit):
                     if lora is not None:
                         adapters.add(lora)
                     continue

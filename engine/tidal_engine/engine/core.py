@@ -65,6 +65,8 @@ class _Sample:
     options: SamplingOptions
     grammar: GrammarMatcher | None = None
     finished: bool = False
+    # prompt_logprobs gathered from the prefill chunks, sent with the first token.
+    prompt_logprobs: list[SampledLogprobs] = field(default_factory=list)
 
 
 @dataclass
@@ -117,6 +119,7 @@ def sampling_options(params: SamplingParams, eos_token_ids: set[int]) -> Samplin
         min_tokens=int(params.min_tokens),
         min_tokens_banned=tuple(sorted(banned)),
         logprobs=params.logprobs,
+        prompt_logprobs=params.prompt_logprobs,
         # Token rules ride on the grammar path (their bitmask also holds the min_tokens ban).
         has_grammar=params.structured_outputs is not None or has_token_rules(params),
     )
@@ -235,6 +238,8 @@ class EngineCore:
             raise ValueError(f"allowed_token_ids has ids outside the vocabulary (size {self.vocab_size})")
         if params.priority != 0 and self.config.scheduling_policy != "priority":
             raise ValueError(f"priority {params.priority} needs the engine started with --scheduling-policy priority")
+        if params.prompt_logprobs is not None and (self.proposer is not None or self.config.pipeline_parallel_size > 1):
+            raise ValueError("prompt_logprobs is not supported with speculative decoding or pipeline parallelism")
         max_tokens = params.max_tokens
         room = self.max_model_len - len(prompt_token_ids)
         if max_tokens is None or max_tokens > room:
@@ -272,6 +277,8 @@ class EngineCore:
         params = parent.params
         if parent.params.n > 1 and params.seed is not None:
             params = params.clone(seed=params.seed + index)  # distinct but reproducible samples
+        if index > 0 and params.prompt_logprobs is not None:
+            params = params.clone(prompt_logprobs=None)  # the prompt's logprobs come with sample 0
         sample_id = sample_request_id(parent.request_id, index, parent.params.n)
         request = Request(
             request_id=sample_id,
@@ -497,6 +504,10 @@ class EngineCore:
         if not step.advanced:
             self.scheduler.update_from_output(step.output, token_of)
         logprobs_of = dict(zip(result.req_ids, result.logprobs)) if result.logprobs else {}
+        for rid, positions in result.prompt_logprobs.items():
+            prompt_sample = self._samples.get(rid)
+            if prompt_sample is not None:
+                prompt_sample.prompt_logprobs.extend(positions)
         deltas: list[SampleDelta] = []
         for chunk in step.sampling_chunks:
             rid = chunk.request.request_id
@@ -569,6 +580,9 @@ class EngineCore:
         if reason is not None:
             self._drop_sample(sample, RequestStatus.FINISHED_LENGTH if reason == "length" else RequestStatus.FINISHED_STOPPED)
         first = sample.index == 0 and num_output == 1
+        prompt_logprobs = None
+        if num_output == 1 and sample.options.prompt_logprobs is not None:
+            prompt_logprobs, sample.prompt_logprobs = sample.prompt_logprobs, []
         return SampleDelta(
             request_id=parent.request_id,
             index=sample.index,
@@ -579,6 +593,7 @@ class EngineCore:
             stop_terminated=terminated,
             num_cached_tokens=max(req.num_cached_tokens, 0),
             first_scheduled_time=parent.first_scheduled_time if first else None,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _drop_sample(self, sample: _Sample, status: RequestStatus) -> None:

@@ -63,6 +63,8 @@ class SampleDelta(msgspec.Struct, array_like=True):
     stop_terminated: bool = False
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None
+    # prompt_logprobs: positions 1.. of the prompt (the first has none), with the first token.
+    prompt_logprobs: list[SampledLogprobs] | None = None
 
 
 class PooledOutput(msgspec.Struct, array_like=True):

@@ -41,6 +41,7 @@ class RequestState:
     metrics: RequestMetrics
     num_cached_tokens: int = 0
     new_tokens: int = 0  # tokens since the consumer last took an output (ITL bookkeeping)
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -108,6 +109,10 @@ class OutputProcessor:
             if delta.first_scheduled_time is not None:
                 state.metrics.first_scheduled_time = delta.first_scheduled_time
             state.num_cached_tokens = delta.num_cached_tokens
+            if delta.prompt_logprobs is not None:
+                prompt = state.prompt_token_ids
+                state.prompt_logprobs = [None, *(self._position(prompt[i], entry)
+                                                 for i, entry in enumerate(delta.prompt_logprobs, start=1))]
             if self._apply(state, sample, delta) and delta.finish_reason is None:
                 stopped.append(sample_request_id(state.request_id, sample.index, state.params.n))
             state.new_tokens += len(delta.new_token_ids)
@@ -176,4 +181,5 @@ class OutputProcessor:
             finished=finished,
             num_cached_tokens=state.num_cached_tokens,
             metrics=state.metrics,
+            prompt_logprobs=state.prompt_logprobs,
         )

@@ -30,6 +30,8 @@ class SamplingOptions(msgspec.Struct, frozen=True):
     min_tokens_banned: tuple[int, ...] = ()
     logprobs: int | None = None  # top alternatives besides the sampled token; None: no logprobs
     has_grammar: bool = False  # the core sends this request's bitmask in every step that samples it
+    # Top alternatives at each prompt position (vLLM's prompt_logprobs); None: none asked.
+    prompt_logprobs: int | None = None
 
 
 class NewRequest(msgspec.Struct, frozen=True):
@@ -93,3 +95,5 @@ class StepResult(msgspec.Struct, frozen=True):
     # Steps that verified drafts: each request's emitted tokens (token_ids holds the last of each).
     token_lists: list[list[int]] = []
     kv_transfer: KVTransferReport | None = None  # KV connector transfers finished since the last result
+    # prompt_logprobs: each asking request's prompt positions this step computed, in order.
+    prompt_logprobs: dict[str, list[SampledLogprobs]] = {}

@@ -48,6 +48,7 @@ from tidal_engine.runner.memory_budget import (
 )
 from tidal_engine.runner.mixed_graphs import MixedGraphs
 from tidal_engine.runner.persistent_batch import PersistentBatch
+from tidal_engine.runner.prompt_logprobs import PromptLogprobsJob
 from tidal_engine.runner.startup_clock import StartupClock
 from tidal_engine.runner.weight_store import WeightStore, pack_offsets
 
@@ -437,6 +438,7 @@ class ModelRunner:
         grammar_bitmasks: dict[str, bytes] | None = None,
         lora_chunks: list[Any] | None = None,
         drafts: list[list[int]] | None = None,
+        prompt_logprobs: PromptLogprobsJob | None = None,
     ) -> SampledTokens | None:
         """Queue the forward pass over the persistent batch's ``step.rows`` and the sampling
         of the sequences that sample (``sample_req_ids``, in batch order); nothing here waits
@@ -447,7 +449,12 @@ class ModelRunner:
         ``.num_new_tokens``), when any row uses an adapter; those steps run eagerly.
 
         ``drafts``: each sampling sequence's draft tokens (speculative decoding, see
-        runner/verify.py): the step runs eagerly and its result gives 1..k+1 tokens per row."""
+        runner/verify.py): the step runs eagerly and its result gives 1..k+1 tokens per row.
+
+        ``prompt_logprobs``: prompt positions whose logprobs the step's hidden states give
+        (runner/prompt_logprobs.py); the step runs eagerly and the job gets them queued."""
+        if prompt_logprobs and (drafts is not None or get_parallel().pp_size > 1):
+            raise ValueError("prompt_logprobs are not computed with speculative decoding or pipeline parallelism")
         if drafts is not None:
             from tidal_engine.runner.verify import execute_verify
 
@@ -459,10 +466,12 @@ class ModelRunner:
                     self.lora_manager.end_step()
         if lora_chunks is not None and self.lora_manager is not None and self.lora_manager.begin_step(lora_chunks):
             try:  # rows use adapters: run eagerly (the graphs hold the base path only)
-                return self._execute(step, sample_req_ids, grammar_bitmasks, allow_graphs=False)
+                return self._execute(step, sample_req_ids, grammar_bitmasks, allow_graphs=False,
+                                     prompt_logprobs=prompt_logprobs)
             finally:
                 self.lora_manager.end_step()
-        return self._execute(step, sample_req_ids, grammar_bitmasks)
+        return self._execute(step, sample_req_ids, grammar_bitmasks, allow_graphs=not prompt_logprobs,
+                             prompt_logprobs=prompt_logprobs)
 
     def _execute(
         self,
@@ -470,6 +479,7 @@ class ModelRunner:
         sample_req_ids: list[str],
         grammar_bitmasks: dict[str, bytes] | None,
         allow_graphs: bool = True,
+        prompt_logprobs: PromptLogprobsJob | None = None,
     ) -> SampledTokens | None:
         width = self._width(step)
         if get_parallel().pp_size > 1:
@@ -499,6 +509,8 @@ class ModelRunner:
         else:
             ids, positions, meta, sample_rows = self._views(layout, staged)
             hidden = self.model(ids, positions, self.kv_caches, meta)
+            if prompt_logprobs:
+                prompt_logprobs.compute(hidden, self.model.compute_logits)
             if not layout.num_samples:
                 return None
             logits = self.model.compute_logits(hidden.index_select(0, sample_rows))

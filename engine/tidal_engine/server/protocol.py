@@ -182,8 +182,6 @@ class CompletionRequest(SamplingFields):
         bad = super().unsupported_fields()
         if self.suffix:
             bad.append("suffix")
-        if self.echo and self.logprobs is not None and self.stream:
-            bad.append("echo with logprobs while streaming")
         return bad
 
 
@@ -513,6 +511,8 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+    # vLLM's prompt_logprobs, on the chunk with the first token only (left out of the others).
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
 
 
 class CompletionChunk(BaseModel):

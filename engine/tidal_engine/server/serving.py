@@ -68,8 +68,7 @@ from tidal_engine.server.protocol import (
     UsageInfo,
     SamplingFields,
 )
-from tidal_engine.server.prompt_logprobs import check as check_prompt_logprobs
-from tidal_engine.server.prompt_logprobs import prompt_logprobs
+from tidal_engine.server import prompt_logprobs
 from tidal_engine.server.reasoning import get_reasoning_parser
 from tidal_engine.server.tool_parsers import get_tool_parser
 from tidal_engine.server.tool_parsers.forced import RequiredChoiceParser, named_constraint, required_constraint
@@ -198,8 +197,10 @@ def sse(payload: BaseModel | dict[str, Any], with_usage: bool = True) -> str:
     """One server-sent event. Chunks carry `usage` only when the client asked for it
     (stream_options.include_usage), as OpenAI's do."""
     if isinstance(payload, BaseModel):
-        exclude = None if with_usage else {"usage"}
-        return f"data: {payload.model_dump_json(exclude_none=False, exclude=exclude)}\n\n"
+        exclude = set() if with_usage else {"usage"}
+        if getattr(payload, "prompt_logprobs", ...) is None:
+            exclude.add("prompt_logprobs")  # a chat chunk's: only on the one that carries them
+        return f"data: {payload.model_dump_json(exclude_none=False, exclude=exclude or None)}\n\n"
     return f"data: {json.dumps(payload)}\n\n"
 
 
@@ -323,12 +324,6 @@ class OpenAIServing:
                 param,
             )
 
-    def check_prompt_logprobs(self, prompts: list[list[int]], stream: bool) -> None:
-        for ids in prompts:
-            problem = check_prompt_logprobs(len(ids), stream)
-            if problem is not None:
-                raise bad_request(problem + ".", "prompt_logprobs")
-
     def truncate(self, token_ids: list[int], keep: int | None) -> list[int]:
         """truncate_prompt_tokens: the last `keep` tokens (-1: as many as the context holds)."""
         if keep is None:
@@ -344,15 +339,16 @@ class OpenAIServing:
         # generation_config.json's max_new_tokens applies to requests that set no limit (vLLM).
         return requested if requested is not None else self.settings.default_sampling.get("max_tokens")
 
-    def sampling_params(self, request: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, request: SamplingFields, max_tokens: int | None, logprobs: int | None,
+                        prompt_lps: int | None = None) -> SamplingParams:
         try:
             structured = request.structured_outputs_params()
         except ValueError as exc:
             raise bad_request(str(exc), getattr(exc, "param", None)) from None
-        return self.build_sampling_params(request, max_tokens, logprobs, structured)
+        return self.build_sampling_params(request, max_tokens, logprobs, structured, prompt_lps)
 
     def build_sampling_params(self, request: SamplingFields, max_tokens: int | None, logprobs: int | None,
-                              structured: Any) -> SamplingParams:
+                              structured: Any, prompt_lps: int | None = None) -> SamplingParams:
         defaults = self.settings.default_sampling
         if request.allowed_token_ids is not None:
             self.check_token_ids(request.allowed_token_ids, "allowed_token_ids")
@@ -378,6 +374,7 @@ class OpenAIServing:
                 max_tokens=max_tokens,
                 min_tokens=request.min_tokens,
                 logprobs=logprobs,
+                prompt_logprobs=prompt_lps,
                 skip_special_tokens=request.skip_special_tokens,
                 include_stop_str_in_output=request.include_stop_str_in_output,
                 structured_outputs=structured,
@@ -456,10 +453,10 @@ class OpenAIServing:
             self.check_prompt_length(len(ids), "prompt")
             self.check_max_tokens(len(ids), request.max_tokens, "max_tokens")
             prompts.append(ids)
-        params = self.sampling_params(request, self.default_max_tokens(request.max_tokens), request.logprobs)
         echo_logprobs = request.echo and request.logprobs is not None  # the prompt's logprobs come first
-        if request.prompt_logprobs is not None or echo_logprobs:
-            self.check_prompt_logprobs(prompts, request.stream)  # type: ignore[arg-type]
+        params = self.sampling_params(request, self.default_max_tokens(request.max_tokens), request.logprobs,
+                                      prompt_logprobs.engine_prompt_logprobs(
+                                          request.prompt_logprobs, request.logprobs if echo_logprobs else None))
         base_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         streams = await self.submit(base_id, prompts, params, request.cache_salt, lora_name)
@@ -468,17 +465,8 @@ class OpenAIServing:
                 self._completion_stream(request, streams, texts, base_id, created), media_type="text/event-stream"
             )
         outputs = await cancel_on_disconnect(raw, self.final_outputs(streams))
-        prompt_lps = [None] * len(prompts)
-        if request.prompt_logprobs is not None:
-            prompt_lps = await cancel_on_disconnect(raw, asyncio.gather(*(
-                prompt_logprobs(self, ids, request.prompt_logprobs, request.cache_salt, lora_name)  # type: ignore[arg-type]
-                for ids in prompts)))
-        echo_lps: list[Any] = [None] * len(prompts)
-        if echo_logprobs:
-            echo_lps = list(prompt_lps) if request.prompt_logprobs == request.logprobs else \
-                await cancel_on_disconnect(raw, asyncio.gather(*(
-                    prompt_logprobs(self, ids, request.logprobs, request.cache_salt, lora_name)  # type: ignore[arg-type]
-                    for ids in prompts)))
+        prompt_lps = [self.prompt_logprobs_json(o, request.prompt_logprobs) for o in outputs]
+        echo_lps = [self.prompt_logprobs_json(o, request.logprobs if echo_logprobs else None) for o in outputs]
         choices: list[CompletionChoice] = []
         for prompt_idx, output in enumerate(outputs):
             prompt_text = self._prompt_text(output, texts[prompt_idx]) if request.echo else ""
@@ -504,6 +492,13 @@ class OpenAIServing:
                 usage=_usage(outputs),
             ).model_dump()
         )
+
+    def prompt_logprobs_json(self, output: RequestOutput, k: int | None) -> list[Any] | None:
+        """The output's prompt logprobs in vLLM's JSON shape with top-k alternatives; None when
+        not asked (k None) or not yet computed."""
+        if k is None:
+            return None
+        return prompt_logprobs.to_json(output.prompt_logprobs, k, self.decode_token)
 
     def _echo_logprobs(self, prompt_ids: list[int], entries: list[Any], generated: CompletionLogprobs,
                        k: int) -> CompletionLogprobs:
@@ -574,6 +569,7 @@ class OpenAIServing:
         sent_text: dict[int, int] = {}
         sent_tokens: dict[int, int] = {}
         echoed: set[int] = set()
+        echo_len: dict[int, int] = {}  # the echoed prompt's length: where the answer's text offsets start
         done: set[int] = set()
         finals: dict[int, RequestOutput] = {}
         try:
@@ -585,18 +581,25 @@ class OpenAIServing:
                     if index in done:
                         continue  # with n > 1, finished choices keep appearing in later outputs
                     delta = completion.text[sent_text.get(index, 0):]
-                    if not delta and not completion.finished and not (request.echo and index not in echoed):
+                    if not delta and not completion.finished and index in echoed:
                         continue
                     if completion.finished:
                         done.add(index)
                     prefix = ""
-                    if request.echo and index not in echoed:
+                    first = index not in echoed  # the choice's first chunk: the prompt's part rides on it
+                    echoed.add(index)
+                    if request.echo and first:
                         prefix = self._prompt_text(output, texts[prompt_idx])
-                        echoed.add(index)
+                        echo_len[index] = len(prefix)
                     start = sent_tokens.get(index, 0)
                     logprobs = self._completion_logprobs(
-                        completion, start, len(completion.token_ids), request.logprobs, sent_text.get(index, 0)
+                        completion, start, len(completion.token_ids), request.logprobs,
+                        sent_text.get(index, 0) + echo_len.get(index, 0)
                     )
+                    if request.echo and first and logprobs is not None:
+                        logprobs = self._echo_logprobs(output.prompt_token_ids,
+                                                       self.prompt_logprobs_json(output, request.logprobs) or [],
+                                                       logprobs, request.logprobs or 0)
                     sent_text[index] = len(completion.text)
                     sent_tokens[index] = len(completion.token_ids)
                     chunk = CompletionChunk(
@@ -610,6 +613,8 @@ class OpenAIServing:
                                 logprobs=logprobs,
                                 finish_reason=completion.finish_reason,
                                 stop_reason=completion.stop_reason,
+                                prompt_logprobs=self.prompt_logprobs_json(output, request.prompt_logprobs)
+                                if first else None,
                             )
                         ],
                         usage=_usage([output]) if continuous else None,
@@ -714,9 +719,9 @@ class OpenAIServing:
         max_tokens = self.default_max_tokens(request.effective_max_tokens)
         logprobs = top if request.logprobs else None
         if tool_constraint is not None:
-            params = self.build_sampling_params(request, max_tokens, logprobs, tool_constraint)
+            params = self.build_sampling_params(request, max_tokens, logprobs, tool_constraint, request.prompt_logprobs)
         else:
-            params = self.sampling_params(request, max_tokens, logprobs)
+            params = self.sampling_params(request, max_tokens, logprobs, request.prompt_logprobs)
         return PreparedChat(plan, params, prompt_ids, lora_name)
 
     async def create_chat_completion(self, data: dict[str, Any], raw: Request) -> Response:
@@ -725,8 +730,6 @@ class OpenAIServing:
         plan, params, prompt_ids, lora_name = prepared.plan, prepared.params, prepared.prompt_ids, prepared.lora_name
         top = request.top_logprobs or 0
         echo = self._chat_echo(request)
-        if request.prompt_logprobs is not None:
-            self.check_prompt_logprobs([prompt_ids], request.stream)
         base_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         streams = await self.submit(base_id, [prompt_ids], params, request.cache_salt, lora_name)
@@ -735,10 +738,7 @@ class OpenAIServing:
                 self._chat_stream(request, streams[0], plan, echo, base_id, created), media_type="text/event-stream"
             )
         (output,) = await cancel_on_disconnect(raw, self.final_outputs(streams))
-        prompt_lps = None
-        if request.prompt_logprobs is not None:
-            prompt_lps = await cancel_on_disconnect(raw, prompt_logprobs(
-                self, prompt_ids, request.prompt_logprobs, request.cache_salt, lora_name))
+        prompt_lps = self.prompt_logprobs_json(output, request.prompt_logprobs)
         choices = []
         for c in output.outputs:
             message, called = plan.message(c.text)
@@ -796,9 +796,10 @@ class OpenAIServing:
         with_usage = include_usage or continuous
         top = request.top_logprobs or 0
 
-        def chunk(choice: ChatStreamChoice, usage: UsageInfo | None = None) -> str:
+        def chunk(choice: ChatStreamChoice, usage: UsageInfo | None = None, prompt_lps: Any = None) -> str:
             return sse(ChatCompletionChunk(id=base_id, created=created, model=self.response_model(request.model),
-                                           choices=[choice], usage=usage), with_usage=with_usage)
+                                           choices=[choice], usage=usage, prompt_logprobs=prompt_lps),
+                       with_usage=with_usage)
 
         # The first chunk of every choice carries the role, as OpenAI's does (and vLLM's echo).
         for i in range(request.n):
@@ -827,7 +828,10 @@ class OpenAIServing:
                     )
                     sent_tokens[index] = len(completion.token_ids)
                     usage = _usage([output]) if continuous else None
-                    if not deltas and (logprobs is not None or completion.finished):
+                    prompt_lps = None
+                    if index == 0 and start == 0:  # the first token's chunk carries the prompt's logprobs
+                        prompt_lps = self.prompt_logprobs_json(output, request.prompt_logprobs)
+                    if not deltas and (logprobs is not None or completion.finished or prompt_lps is not None):
                         deltas = [DeltaMessage(content="")]  # logprobs and the finish need a chunk to ride on
                     for n, delta in enumerate(deltas):
                         last = n == len(deltas) - 1
@@ -841,6 +845,7 @@ class OpenAIServing:
                                 stop_reason=completion.stop_reason if last and completion.finished else None,
                             ),
                             usage,
+                            prompt_lps if n == 0 else None,
                         )
             if include_usage and final is not None:
                 yield sse(ChatCompletionChunk(id=base_id, created=created, model=self.response_model(request.model),

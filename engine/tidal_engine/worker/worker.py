@@ -33,6 +33,7 @@ from tidal_engine.executor.plan import NewRequest, SampledLogprobs, SamplingOpti
 from tidal_engine.kv_transfer.factory import create_worker_connector
 from tidal_engine.runner.input_buffers import StepInput
 from tidal_engine.runner.model_runner import ModelRunner, SamplerFactory
+from tidal_engine.runner.prompt_logprobs import PromptLogprobsJob
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +44,11 @@ class _ReqState:
     row: int
     sampling: SamplingOptions
     lora_name: str | None
+    num_prompt_tokens: int = 0
     unrecorded: int = 0  # tokens sampled (or being sampled) that are not in the history yet
+    # prompt_logprobs: the next prompt position to give (position 0 has none); never repeated,
+    # even when a preemption recomputes the prompt.
+    next_prompt_position: int = 1
     alive: bool = True
 
 
@@ -77,6 +82,7 @@ class WorkerStep(PendingStep):
         self._result: StepResult | None = None
         self._error: BaseException | None = None
         self.idle = False  # no forward: only KV transfers to wait for
+        self.prompt_job: PromptLogprobsJob | None = None  # prompt_logprobs this step computes
 
     @property
     def done(self) -> bool:
@@ -117,6 +123,7 @@ class Worker:
         self._requests: dict[str, _ReqState] = {}
         self._last_step: WorkerStep | None = None  # the newest step whose result is not taken
         self._num_lora_requests = 0
+        self._num_prompt_logprobs_requests = 0  # known requests with prompt_logprobs
         self._sleep_level = 0
         # execute() and result() may run on different threads (the multiprocess worker takes
         # results on a sender thread): both touch the histories under this lock.
@@ -155,9 +162,12 @@ class Worker:
             raise ValueError(f"request {new.req_id!r} is already known to the worker")
         tokens = list(new.prompt_token_ids) + list(new.output_token_ids)
         row = self.batch.add(new.req_id, tokens, new.block_ids)
-        self._requests[new.req_id] = _ReqState(new.req_id, row, new.sampling, new.lora_name)
+        self._requests[new.req_id] = _ReqState(new.req_id, row, new.sampling, new.lora_name,
+                                               num_prompt_tokens=len(new.prompt_token_ids))
         if new.lora_name is not None:
             self._num_lora_requests += 1
+        if new.sampling.prompt_logprobs is not None:
+            self._num_prompt_logprobs_requests += 1
         self.runner.sampler.add_request(new.req_id, new.sampling, new.prompt_token_ids, new.output_token_ids)
 
     def _forget(self, req_id: str) -> None:
@@ -167,6 +177,8 @@ class Worker:
         state.alive = False
         if state.lora_name is not None:
             self._num_lora_requests -= 1
+        if state.sampling.prompt_logprobs is not None:
+            self._num_prompt_logprobs_requests -= 1
         self.batch.remove(req_id)
         self.runner.sampler.remove_request(req_id)
 
@@ -225,13 +237,35 @@ class Worker:
                 _LoRAChunk(_LoRARequest(requests[s.req_id].lora_name), s.num_new_tokens) for s in plan.scheduled
             ]
         sample_ids = [st.req_id for st in sampling_states]
+        prompt_job = self._prompt_logprobs_job(plan, step_input) if self._num_prompt_logprobs_requests else None
         sampled = self.runner.execute(step_input, sample_ids, plan.grammar_bitmasks or None, lora_chunks,
-                                      drafts if step_input.num_drafts is not None else None)
+                                      drafts if step_input.num_drafts is not None else None,
+                                      prompt_job or None)
         for st in sampling_states:
             st.unrecorded += 1
         step = WorkerStep(self, plan.step_id, sampled, sampling_states, self._last_step)
+        step.prompt_job = prompt_job or None
         self._last_step = step
         return step
+
+    def _prompt_logprobs_job(self, plan: StepPlan, step: StepInput) -> PromptLogprobsJob:
+        """The prompt positions this step computes for requests with prompt_logprobs: the
+        hidden state at position j (flat row) predicts the prompt token at j + 1."""
+        job = PromptLogprobsJob()
+        first_row = 0
+        for i, s in enumerate(plan.scheduled):
+            state = self._requests[s.req_id]
+            k = state.sampling.prompt_logprobs
+            if k is not None:
+                lo = max(s.num_computed_tokens, state.next_prompt_position - 1)
+                hi = min(s.num_computed_tokens + s.num_new_tokens, state.num_prompt_tokens - 1)
+                if hi > lo:
+                    positions = np.arange(lo, hi, dtype=np.int64)
+                    job.add(s.req_id, k, first_row + positions - s.num_computed_tokens,
+                            self.batch.token_ids[state.row, lo + 1 : hi + 1].astype(np.int64))
+                    state.next_prompt_position = hi + 1
+            first_row += int(step.q_lens[i])
+        return job
 
     def _check_feeds(self, plan: StepPlan, fed: np.ndarray, ends: np.ndarray, known: np.ndarray, starts: np.ndarray) -> None:
         for i in np.flatnonzero(fed).tolist():
@@ -288,8 +322,10 @@ class Worker:
         report = None
         if self.kv_connector is not None:  # a step without a forward only waits for transfers
             report = self.kv_connector.poll(wait=step.idle)
+        prompt_lps = step.prompt_job.to_host() if step.prompt_job is not None else {}
+        step.prompt_job = None
         return StepResult(step_id=step.step_id, req_ids=[st.req_id for st in states], token_ids=token_ids, logprobs=lps,
-                          kv_transfer=report, token_lists=token_lists)
+                          kv_transfer=report, token_lists=token_lists, prompt_logprobs=prompt_lps)
 
     def settle(self) -> None:
         """Take the results of every launched step (errors included: they were reported)."""
