@@ -207,6 +207,32 @@ def test_the_operator_owns_its_companions_and_refuses_a_users_service(fake_stack
     fake_stack.kubectl("delete", "llm", "taken", "--wait=false")
 
 
+def test_objects_left_by_an_orphaning_delete_are_adopted_when_it_comes_back(fake_stack: Any) -> None:
+    """`kubectl delete llm --cascade=orphan` leaves the Pod, Service and PDB without an owner.
+    Applied again, the LLMService adopts them (its Pod's name is taken: AlreadyExists, then the
+    orphan is read and adopted): the same Pod keeps serving, nothing is recreated, and the
+    Service, which carries the operator's labels, is not a ServiceConflict."""
+    apply(fake_stack, llmservice("comeback"))
+    fake_stack.wait_ready("comeback", BOUND_S)
+    (pod,) = fake_stack.pods("comeback")
+    fake_stack.kubectl("delete", "llm", "comeback", "--cascade=orphan", "--wait=true")
+    left = [fake_stack.get(kind, name) for kind, name in (("pod", pod["metadata"]["name"]),
+                                                           ("service", "comeback"), ("pdb", "comeback"))]
+    assert [owner_uids(o) for o in left] == [[], [], []]
+
+    apply(fake_stack, llmservice("comeback"))
+    llm = fake_stack.wait_ready("comeback", BOUND_S)
+    uid = llm["metadata"]["uid"]
+    fake_stack.wait_for(lambda: all(owner_uids(fake_stack.get(kind, name)) == [uid] for kind, name in (
+        ("pod", pod["metadata"]["name"]), ("service", "comeback"), ("pdb", "comeback"))), BOUND_S, "all three adopted")
+    (now,) = fake_stack.pods("comeback")
+    assert now["metadata"]["uid"] == pod["metadata"]["uid"]  # the same Pod, not a new one
+    assert fake_stack.condition("comeback", "Degraded")["status"] == "False"
+    reasons = {e["reason"] for e in fake_stack.events("comeback")}
+    assert {"AdoptedPod", "AdoptedService", "AdoptedPodDisruptionBudget"} <= reasons, reasons
+    fake_stack.kubectl("delete", "llm", "comeback", "--wait=false")
+
+
 def test_a_full_pool_rolls_in_place_with_max_surge_zero(fake_stack: Any) -> None:
     """`rollout: {maxSurge: 0, maxUnavailable: 1}`: a spec change replaces the Pods one at a
     time and never runs more Pods than replicas (no room for a surge Pod on a full GPU pool)."""

@@ -271,6 +271,13 @@ def test_owner_reference_garbage_collection(core: k8s.CoreV1Api, ns: str) -> Non
     names = {i.metadata.name for i in core.list_namespaced_config_map(ns).items}
     assert names == {"other", "shared"}  # a dependent with a live owner stays, as in Kubernetes
 
+    # Orphan: the dependents stay, without their reference to the deleted owner.
+    core.create_namespaced_config_map(ns, cm("kept", ownerReferences=ref(other)))
+    core.delete_namespaced_config_map("other", ns, propagation_policy="Orphan")
+    kept, shared = (core.read_namespaced_config_map(n, ns) for n in ("kept", "shared"))
+    assert kept.metadata.owner_references is None
+    assert "other" not in [r.name for r in shared.metadata.owner_references or []]
+
 
 def test_pod_deletion_is_graceful_only_when_scheduled(core: k8s.CoreV1Api, ns: str) -> None:
     spec = {"containers": [{"name": "c", "image": "x"}]}

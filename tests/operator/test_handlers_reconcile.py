@@ -512,3 +512,15 @@ async def test_a_gpu_share_member_placed_elsewhere_than_its_group_is_refused_wit
     await create(kube, body("c", gpuShare=share))
     assert (await run(kube, "c")).valid  # type: ignore[union-attr]
     assert (await run(kube, "a")).valid  # type: ignore[union-attr]
+
+
+def test_only_an_orphan_with_the_operators_labels_for_that_name_counts_as_left_behind() -> None:
+    from tidal_operator.controller.companions import left_by
+
+    llm = {"metadata": {"name": "m", "namespace": NS, "uid": "u2"}}
+    ours = {L.MANAGED_BY: L.MANAGED_BY_VALUE, L.LLMSERVICE: "m"}
+    assert left_by(llm, {"metadata": {"name": "m", "labels": ours}})
+    assert not left_by(llm, {"metadata": {"name": "m", "labels": {**ours, L.LLMSERVICE: "other"}}})
+    assert not left_by(llm, {"metadata": {"name": "m", "labels": {"team": "theirs"}}})  # a user's
+    controlled = [{"uid": "u1", "kind": "LLMService", "name": "m", "controller": True}]
+    assert not left_by(llm, {"metadata": {"name": "m", "labels": ours, "ownerReferences": controlled}})

@@ -503,9 +503,24 @@ class ObjectApi:
             self._drop_crd(final)
         elif rt.key == NAMESPACE_KEY:
             self._empty_namespace(final["metadata"]["name"])
-        if not orphan:
+        if orphan:
+            self._orphan_dependents(uid)
+        else:
             self._collect_garbage(uid)
         return final
+
+    def _orphan_dependents(self, owner_uid: str) -> None:
+        """`propagationPolicy: Orphan`, as Kubernetes' garbage collector does it: the dependents
+        stay, without their ownerReference to the deleted owner."""
+        for key, namespace, name in list(self.store.dependents.get(owner_uid, ())):
+            dependent = self.store.get(key, namespace or None, name)
+            if dependent is None:
+                continue
+            refs = [r for r in dependent["metadata"].get("ownerReferences") or [] if r.get("uid") != owner_uid]
+            meta = {k: v for k, v in dependent["metadata"].items() if k != "ownerReferences"}
+            new = {**dependent, "metadata": {**meta, **({"ownerReferences": refs} if refs else {})}}
+            self._stamp(new)
+            self.store.write(key, new, "MODIFIED")
 
     def _collect_garbage(self, owner_uid: str) -> None:
         for key, namespace, name in list(self.store.dependents.get(owner_uid, ())):
