@@ -72,3 +72,20 @@ def test_prompt_logprobs_with_speculative_decoding_are_refused(folder: Path) -> 
               speculative_config=spec)
     with pytest.raises(ValueError, match="prompt_logprobs is not supported with speculative decoding"):
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=1, prompt_logprobs=1))
+
+
+def test_prompt_logprobs_survive_a_preemption_mid_prefill(folder: Path) -> None:
+    """Four KV blocks: the request with prompt_logprobs is preempted while its prompt is half
+    computed (the decoding one needs its block), then computed again: no position twice."""
+    rng = random.Random(1)
+    decoding, asking = [rng.randrange(3, 320) for _ in range(32)], [rng.randrange(3, 320) for _ in range(40)]
+    llm = LLM(str(folder), dtype="float32", device="cpu", max_model_len=64, num_gpu_blocks_override=4,
+              max_num_batched_tokens=16, skip_tokenizer_init=True)
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    _, output = llm.generate([decoding, asking], [greedy, greedy.clone(max_tokens=4, prompt_logprobs=0)])
+    assert llm.engine.core.get_stats().num_preemptions > 0
+    positions = output.prompt_logprobs
+    assert positions is not None and len(positions) == len(asking)
+    expected = reference(folder, asking)
+    for p in range(1, len(asking)):
+        assert abs(positions[p][asking[p]].logprob - expected[p - 1, asking[p]].item()) < 1e-3
