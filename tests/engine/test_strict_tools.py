@@ -183,3 +183,14 @@ def test_strict_with_response_format_is_refused(server: LiveServer) -> None:
     with server.client() as client:
         response = ask(client, [strict(WEATHER_TOOL)], response_format={"type": "json_object"})
     assert response.status_code == 400 and response.json()["error"]["param"] == "tool_choice"
+
+
+def test_responses_api_strict_function_tools(server: LiveServer) -> None:
+    tools = [{"type": "function", **WEATHER_TOOL["function"], "strict": True},
+             {"type": "function", **TIME_TOOL["function"], "strict": True}]
+    with server.client() as client:
+        response = client.post("/v1/responses", json={"input": MSG[0]["content"], "tools": tools, "temperature": 0,
+                                                      "max_output_tokens": 60, "parallel_tool_calls": False})
+    assert response.status_code == 200, response.text
+    (call,) = [item for item in response.json()["output"] if item["type"] == "function_call"]
+    assert_valid(call["name"], call["arguments"])
