@@ -16,6 +16,12 @@ torch's caching allocator) carries over between them:
    first is up, then both generating at once (256 × 256 → 128 tokens each); the device's used
    memory is polled with nvidia-smi throughout. Passes when both finish every request (no OOM).
 
+Further stages: ``basics`` (seconds for the CUDA context, importing Triton and transformers, the
+tokenizer), ``profile`` (a warm construction under cProfile: the functions that took the time),
+``switch`` (``gpu_share_switch_bench.py``: two engines of a GPU-share group taking turns through the
+router). ``--dummy`` runs on a config-only folder with ``load_format="dummy"`` (nothing read from
+disk; a quick look, not the figures).
+
 ``all`` runs the four (``--stages`` picks others) and writes ``memory-<shape>.json`` with the command, commit and date
 (``TIDAL_COMMIT``, ``TIDAL_BENCH_DATE``).
 """
@@ -35,10 +41,16 @@ HERE = Path(__file__).resolve().parent
 GiB = float(1 << 30)
 
 
+def _folder(args: argparse.Namespace) -> Path:
+    return Path(args.models) / (f"{args.shape}-dummy" if args.dummy else args.shape)
+
+
 def _llm(folder: Path, **options: Any) -> tuple[Any, float]:
     from tidal_engine import LLM
 
     opts: dict[str, Any] = dict(dtype="bfloat16", max_model_len=4096, max_num_seqs=256, seed=0)
+    if folder.name.endswith("-dummy"):
+        opts["load_format"] = "dummy"
     opts.update(options)
     start = time.perf_counter()
     llm = LLM(str(folder), **opts)
@@ -75,18 +87,76 @@ def stage_write(args: argparse.Namespace) -> dict[str, Any]:
     from gpu_bench import make_model_folder
 
     start = time.perf_counter()
-    folder = make_model_folder(args.shape, Path(args.models))
+    if args.dummy:  # config, tokenizer and a one-tensor stand-in: the engine makes up the weights
+        from gpu_bench import hf_config, make_config_folder, save_tokenizer
+
+        made = make_config_folder(args.shape, Path(args.models))
+        folder = _folder(args)
+        if not folder.exists():
+            made.rename(folder)
+        save_tokenizer(folder, hf_config(args.shape)["vocab_size"])
+    else:
+        folder = make_model_folder(args.shape, Path(args.models))
     size = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
     return {"folder": str(folder), "checkpoint_bytes": size, "write_s": time.perf_counter() - start}
+
+
+def stage_basics(args: argparse.Namespace) -> dict[str, Any]:
+    """What an engine pays before its own work: imports, the CUDA context, the tokenizer."""
+    out: dict[str, Any] = {}
+    t = time.perf_counter()
+    import torch
+
+    out["import_torch_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    torch.cuda.init()
+    torch.zeros(1, device="cuda")
+    torch.cuda.synchronize()
+    out["cuda_context_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    torch.cuda.is_bf16_supported()
+    torch.cuda.mem_get_info()
+    out["cuda_queries_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    import triton  # noqa: F401
+
+    out["import_triton_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    import tidal_engine.runner.model_runner  # noqa: F401
+    import tidal_engine.runner.sampler  # noqa: F401
+
+    out["import_engine_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    from transformers import AutoTokenizer
+
+    out["import_transformers_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    AutoTokenizer.from_pretrained(str(_folder(args)))
+    out["tokenizer_load_s"] = time.perf_counter() - t
+    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    b = torch.empty(1 << 30, dtype=torch.uint8).fill_(0)
+    out["host_fault_1gib_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    torch.cuda.cudart().cudaHostRegister(b.data_ptr(), b.numel(), 0)
+    out["host_register_1gib_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    b.copy_(a, non_blocking=True)
+    torch.cuda.synchronize()
+    out["d2h_1gib_s"] = time.perf_counter() - t
+    torch.cuda.cudart().cudaHostUnregister(b.data_ptr())
+    return out
 
 
 def stage_engine(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    folder = Path(args.models) / args.shape
+    folder = _folder(args)
     torch.cuda.init()
     before, total = _used()
     llm, construct_s = _llm(folder, gpu_memory_utilization=0.9, enable_sleep_mode=True, cache_dir=args.cache_dir)
+    constructed_at = time.perf_counter()
     engine = llm.engine
     runner = engine.runner
     used_awake, _ = _used()
@@ -100,6 +170,7 @@ def stage_engine(args: argparse.Namespace) -> dict[str, Any]:
         "kv_blocks": runner.num_blocks,
         "fixed_address_weights": runner.weights.stable_addresses,
         "startup_seconds": getattr(runner, "startup_seconds", None),
+        "engine_core_seconds": getattr(engine.core, "startup_seconds", None),
         "graph_capture_s": runner.graphs.capture_seconds if runner.graphs else None,
         "mixed_graph_capture_s": runner.mixed_graphs.capture_seconds if runner.mixed_graphs else None,
     }
@@ -107,6 +178,18 @@ def stage_engine(args: argparse.Namespace) -> dict[str, Any]:
     reference = _greedy(llm, prompts, 32)
     graphs = runner.graphs
     checks: dict[str, bool] = {}
+    # The level-1 host buffer is locked on a thread after start-up (runner/host_buffer.py): how
+    # long that took, and whether it was done when the first sleep came. The first sleep is timed
+    # once it is ready (an engine is put to sleep when idle, seconds at least after it started);
+    # the wait, if any, is recorded beside it.
+    host = runner.weights.host_buffer
+    res["host_buffer_ready_before_wait"] = bool(host is not None and host.ready)
+    t = time.perf_counter()
+    if host is not None:
+        host.get()
+    res["host_buffer_wait_s"] = time.perf_counter() - t
+    res["host_buffer_prepare_s"] = host.prepare_seconds if host is not None else None
+    res["first_sleep_after_construct_s"] = time.perf_counter() - constructed_at
     for label, level in (("sleep1_first", 1), ("sleep1_again", 1), ("sleep2", 2)):
         t = time.perf_counter()
         engine.sleep(level)
@@ -123,8 +206,62 @@ def stage_engine(args: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
+def stage_profile(args: argparse.Namespace) -> dict[str, Any]:
+    """A construction under cProfile: where the seconds went (cProfile slows Python-heavy parts)."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    llm, construct_s = _llm(_folder(args), gpu_memory_utilization=0.9, enable_sleep_mode=True, cache_dir=args.cache_dir)
+    profiler.disable()
+    runner = llm.engine.runner
+    result: dict[str, Any] = {"construct_s_under_cprofile": construct_s, "startup_seconds": runner.startup_seconds,
+                              "engine_core_seconds": llm.engine.core.startup_seconds,
+                              "greedy": _greedy(llm, _prompts(4, 64, 1, llm.engine.core.vocab_size), 16)}
+    for key, order in (("by_cumulative", "cumulative"), ("by_own_time", "tottime")):
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(45)
+        result[key] = [line for line in text.getvalue().splitlines() if line.strip()][-46:]
+    return result
+
+
+def stage_nowarm(args: argparse.Namespace) -> dict[str, Any]:
+    """An experiment: the CUDA graphs captured after one eager warm-up run (of the largest size)
+    instead of one per size, in a fresh process with an empty cache dir (so Triton compiles inside
+    the captures). Checks: each replay against an eager run of the same inputs, and the greedy
+    output (compare with the ``profile`` stage's, same seed and weights)."""
+    import tempfile
+
+    import torch
+
+    from tidal_engine.runner.cuda_graphs import DecodeGraphs
+    from tidal_engine.runner.mixed_graphs import MixedGraphs
+
+    DecodeGraphs.warm_up_each = False
+    MixedGraphs.warm_up_each = False
+    cache = tempfile.mkdtemp(prefix="tidal-nowarm-")
+    llm, construct_s = _llm(_folder(args), gpu_memory_utilization=0.9, enable_sleep_mode=True, cache_dir=cache)
+    runner = llm.engine.runner
+    graphs = runner.graphs
+    diffs: dict[int, float] = {}
+    with torch.inference_mode():
+        for b in [x for x in (1, 2, 8, 24, 64, 136, 256) if graphs is not None and x in graphs.graphs]:
+            graphs._dummy_inputs(b)
+            graphs.graphs[b].graph.replay()
+            replayed = graphs.graphs[b].logits.clone()
+            eager = graphs._forward(b)
+            diffs[b] = float((replayed.float() - eager.float()).abs().max())
+    return {"construct_s": construct_s, "startup_seconds": runner.startup_seconds,
+            "engine_core_seconds": llm.engine.core.startup_seconds,
+            "graph_capture_s": graphs.capture_seconds if graphs else None,
+            "mixed_graph_capture_s": runner.mixed_graphs.capture_seconds if runner.mixed_graphs else None,
+            "replay_vs_eager_max_abs_diff": diffs, "greedy": _greedy(llm, _prompts(4, 64, 1, llm.engine.core.vocab_size), 16)}
+
+
 def stage_construct(args: argparse.Namespace) -> dict[str, Any]:
-    folder = Path(args.models) / args.shape
+    folder = _folder(args)
     llm, construct_s = _llm(folder, gpu_memory_utilization=0.9, enable_sleep_mode=True, cache_dir=args.cache_dir)
     runner = llm.engine.runner
     return {"construct_s": construct_s, "kv_blocks": runner.num_blocks,
@@ -136,7 +273,7 @@ def stage_construct(args: argparse.Namespace) -> dict[str, Any]:
 
 def stage_load(args: argparse.Namespace) -> dict[str, Any]:
     """One engine of the pair: construct at ``--util``, say so, wait for the go, generate."""
-    folder = Path(args.models) / args.shape
+    folder = _folder(args)
     llm, construct_s = _llm(folder, gpu_memory_utilization=args.util, cache_dir=args.cache_dir)
     runner = llm.engine.runner
     Path(args.ready).write_text("ready")
@@ -153,7 +290,8 @@ def stage_load(args: argparse.Namespace) -> dict[str, Any]:
     outs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
     lengths = [len(o.outputs[0].token_ids) for o in outs]
-    return {"construct_s": construct_s, "util": args.util, "memory_report": runner.memory_report,
+    return {"construct_s": construct_s, "startup_seconds": runner.startup_seconds,
+            "engine_core_seconds": llm.engine.core.startup_seconds, "util": args.util, "memory_report": runner.memory_report,
             "kv_blocks": runner.num_blocks, "requests": len(outs), "all_complete": all(n == 128 for n in lengths),
             "output_tokens": sum(lengths), "generate_s": elapsed, "output_tok_per_s": sum(lengths) / elapsed}
 
@@ -179,7 +317,7 @@ def stage_pair(args: argparse.Namespace) -> dict[str, Any]:
         ready.unlink(missing_ok=True)
         cmd = [sys.executable, __file__, "load", "--shape", args.shape, "--models", args.models, "--util", "0.45",
                "--ready", str(ready), "--go", str(go), "--seed", str(10 + i), "--json", str(out),
-               "--cache-dir", args.cache_dir or ""]
+               "--cache-dir", args.cache_dir or ""] + (["--dummy"] if args.dummy else [])
         procs.append(subprocess.Popen(cmd))
         outs.append(out)
         deadline = time.time() + 240
@@ -201,8 +339,22 @@ def stage_pair(args: argparse.Namespace) -> dict[str, Any]:
             "passed": ok}
 
 
-STAGES = {"write": stage_write, "engine": stage_engine, "construct": stage_construct, "load": stage_load,
-          "pair": stage_pair}
+def stage_switch(args: argparse.Namespace) -> dict[str, Any]:
+    out = Path(args.models) / "switch.json"
+    out.unlink(missing_ok=True)
+    cmd = [sys.executable, str(HERE / "gpu_share_switch_bench.py"), "--model", str(_folder(args)), "--json", str(out),
+           "--util", "0.45", "--rounds", str(args.switch_rounds), "--logs", args.out]
+    if args.cache_dir:
+        cmd += ["--cache-dir", args.cache_dir]
+    if args.dummy:
+        cmd += ["--load-format", "dummy"]
+    rc = subprocess.run(cmd).returncode
+    result = json.loads(out.read_text()) if out.exists() else {"error": f"exit {rc}"}
+    return result
+
+
+STAGES = {"write": stage_write, "basics": stage_basics, "engine": stage_engine, "construct": stage_construct,
+          "profile": stage_profile, "nowarm": stage_nowarm, "load": stage_load, "pair": stage_pair, "switch": stage_switch}
 
 
 def _git_commit() -> str:
@@ -216,6 +368,7 @@ def run_all(args: argparse.Namespace) -> None:
         "command": "python3 benchmarks/memory_bench.py " + " ".join(sys.argv[1:]),
         "commit": _git_commit(), "date": os.environ.get("TIDAL_BENCH_DATE") or time.strftime("%Y-%m-%d"),
         "shape": args.shape, "max_model_len": 4096, "max_num_seqs": 256, "dtype": "bfloat16",
+        "dummy_weights": args.dummy,
     }
     path = out / (args.result_name or f"memory-{args.shape}.json")
     cache = args.cache_dir or str(Path(args.models) / "cache")
@@ -225,7 +378,8 @@ def run_all(args: argparse.Namespace) -> None:
         stage_json = Path(args.models) / f"{key}.json"
         stage_json.unlink(missing_ok=True)
         cmd = [sys.executable, __file__, stage, "--shape", args.shape, "--models", args.models, "--out", args.out,
-               "--json", str(stage_json), "--cache-dir", cache]
+               "--json", str(stage_json), "--cache-dir", cache, "--switch-rounds", str(args.switch_rounds)]
+        cmd += ["--dummy"] if args.dummy else []
         t = time.perf_counter()
         try:
             rc: int | str = subprocess.run(cmd, timeout=args.stage_timeout).returncode
@@ -254,6 +408,8 @@ def main() -> None:
     parser.add_argument("--stages", default="write,engine,construct,pair",
                         help="(all) the stages in order; a repeated one is recorded as <stage>_<position>")
     parser.add_argument("--result-name", default=None, help="(all) the result file's name (default memory-<shape>.json)")
+    parser.add_argument("--dummy", action="store_true", help="a config-only folder, load_format=dummy (a quick look)")
+    parser.add_argument("--switch-rounds", type=int, default=6, help="(switch) switches to time")
     args = parser.parse_args()
     args.cache_dir = args.cache_dir or None
     if args.stage == "all":

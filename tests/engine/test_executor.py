@@ -415,7 +415,7 @@ def test_level1_sleep_is_one_copy_into_a_reused_host_buffer(tiny_dir: Path, refe
         for _ in range(2):
             executor.collective_rpc("sleep", 1)
             assert executor.collective_rpc("memory_usage")[0]["offloaded_weights_bytes"] == runner.weights.nbytes
-            hosts.append(runner.weights._host.data_ptr())
+            hosts.append(runner.weights.host_buffer.get().data_ptr())
             assert executor.collective_rpc("wake_up", None) == [False]
             assert not runner.kv_caches[0].any()  # a fresh cache, nothing re-profiled
             assert executor.num_kv_blocks == NUM_BLOCKS

@@ -44,6 +44,9 @@ class _Graph:
 
 
 class DecodeGraphs:
+    # An eager run of each size before its capture (False: of the first, largest, only).
+    warm_up_each = True
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -117,12 +120,13 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         # Largest first: the smaller graphs then fit in the memory the big one pooled.
-        for b in sorted(self.sizes, reverse=True):
+        for i, b in enumerate(sorted(self.sizes, reverse=True)):
             self._dummy_inputs(b)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):  # warm-up: Triton compiles, cuBLAS picks kernels
-                self._forward(b)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
+            if i == 0 or self.warm_up_each:
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(stream):  # warm-up: Triton compiles, cuBLAS picks kernels
+                    self._forward(b)
+                torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=stream):
                 logits = self._forward(b)

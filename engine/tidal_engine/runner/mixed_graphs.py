@@ -41,6 +41,9 @@ class _Graph:
 
 
 class MixedGraphs:
+    # An eager run of each size before its capture (False: of the first, largest, only).
+    warm_up_each = True
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -117,12 +120,13 @@ class MixedGraphs:
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
-        for t in sorted(self.token_sizes, reverse=True):  # largest first: one pool serves all
+        for i, t in enumerate(sorted(self.token_sizes, reverse=True)):  # largest first: one pool serves all
             self._dummy_inputs(t)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):  # warm-up: Triton compiles, cuBLAS picks kernels
-                self._forward(t)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
+            if i == 0 or self.warm_up_each:
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(stream):  # warm-up: Triton compiles, cuBLAS picks kernels
+                    self._forward(t)
+                torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=stream):
                 hidden = self._forward(t)

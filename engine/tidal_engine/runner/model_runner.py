@@ -161,6 +161,14 @@ class ModelRunner:
         self._report_footprint()
         self.startup_seconds = clock.seconds
         clock.log()
+        self._prepare_sleep()
+
+    def _prepare_sleep(self) -> None:
+        """With sleep mode on a GPU, lock the level-1 host buffer now, off the request path: the
+        first sleep then only copies (runner/host_buffer.py). It holds the weights' size of host
+        memory from here on, as every sleep after the first would anyway."""
+        if self.config.enable_sleep_mode and self.device.type == "cuda":
+            self.weights.prepare_host_buffer()
 
     # ---- KV cache sizing -------------------------------------------------------------
     def _decide_num_blocks(self) -> int:
@@ -665,6 +673,7 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()  # the reads' device staging tensors: not part of the engine's share
         self._maybe_recapture()
+        self._prepare_sleep()  # level 2 gave the host buffer back
 
     def memory_usage(self) -> dict[str, int]:
         """Bytes held on the engine's device by the weights and the KV cache, and in host memory

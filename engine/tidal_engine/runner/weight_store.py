@@ -1,7 +1,8 @@
 """The model's parameters as views into one flat device buffer, for fast sleep and wake.
 
-Sleep level 1 copies the parameters into one pinned host buffer, allocated at the first sleep
-and reused by every later one; a wake is one host→device copy into one flat device buffer
+Sleep level 1 copies the parameters into one page-locked host buffer of their exact size
+(runner/host_buffer.py: prepared in the background once the engine is up, or at the first
+sleep at the latest) and reused by every later one; a wake is one host→device copy into one flat device buffer
 whose views the parameters become. Level 2 drops the device memory without a copy; the wake
 reloads the checkpoint into the same views.
 
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from tidal_engine.runner.cuda_vmm import VmmRange
+from tidal_engine.runner.host_buffer import HostBuffer
 
 ALIGN = 256
 
@@ -54,7 +56,7 @@ class WeightStore:
         self._slots = [_Slot(p, off, p.shape, p.dtype) for p, off in zip(params, offsets)]
         self._range = VmmRange.create(self.nbytes, device) if fixed_addresses else None
         self._flat: torch.Tensor | None = None  # None while the parameters keep their own storage
-        self._host: torch.Tensor | None = None  # the pinned copy, allocated once
+        self._host: HostBuffer | None = None  # the level-1 copy, allocated once
         self.resident = True
         if self._range is not None:
             flat = self._range.tensor
@@ -74,7 +76,17 @@ class WeightStore:
 
     @property
     def host_bytes(self) -> int:
-        return 0 if self._host is None else self.nbytes
+        return 0 if self._host is None or not self._host.ready else self.nbytes
+
+    @property
+    def host_buffer(self) -> HostBuffer | None:
+        return self._host
+
+    def prepare_host_buffer(self) -> None:
+        """Start preparing the level-1 host buffer on a thread (a no-op once it exists)."""
+        if self._host is None:
+            self._host = HostBuffer(self.nbytes, self.device)
+        self._host.prepare_in_background()
 
     @staticmethod
     def _view(flat: torch.Tensor, slot: _Slot) -> torch.Tensor:
@@ -86,12 +98,13 @@ class WeightStore:
         if not self.resident:
             return
         if self._host is None:
-            self._host = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+            self._host = HostBuffer(self.nbytes, self.device)
+        host = self._host.get()
         if self._flat is not None:
-            self._host.copy_(self._flat, non_blocking=True)
+            host.copy_(self._flat, non_blocking=True)
         else:  # the first sleep of parameters that still have their own storage
             for slot in self._slots:
-                self._view(self._host, slot).copy_(slot.param.data, non_blocking=True)
+                self._view(host, slot).copy_(slot.param.data, non_blocking=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._release()
@@ -100,6 +113,8 @@ class WeightStore:
         """Level 2: the device memory goes back without a copy (the host copy too)."""
         if self.resident:
             self._release()
+        if self._host is not None:
+            self._host.release()
         self._host = None
 
     def _release(self) -> None:
@@ -116,7 +131,7 @@ class WeightStore:
         """Level 1 wake: the device memory back, then one copy from the host buffer."""
         self.acquire()
         assert self._host is not None and self._flat is not None, "onload without an offload"
-        self._flat.copy_(self._host, non_blocking=True)
+        self._flat.copy_(self._host.get(), non_blocking=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 

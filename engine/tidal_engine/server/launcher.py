@@ -24,7 +24,9 @@ import os
 import shutil
 import signal
 import tempfile
+from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
+from typing import Any
 
 import msgspec
 
@@ -45,12 +47,22 @@ class EngineStartError(RuntimeError):
 
 def start_engine_core(config: EngineConfig, addresses: CoreAddresses) -> tuple[BaseProcess, CoreInfo]:
     """Spawn the core and wait until it has loaded the model (or failed to)."""
+    return wait_for_engine_core(*spawn_engine_core(config, addresses))
+
+
+def spawn_engine_core(config: EngineConfig, addresses: CoreAddresses) -> tuple[BaseProcess, Connection]:
+    """Start the core process; its readiness (or failure) arrives on the returned pipe."""
     ctx = multiprocessing.get_context("spawn")
     reader, writer = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=run_engine_core, args=(config, addresses, writer, logging.getLogger().level),
                        name="tidal-engine-core")
     proc.start()
     writer.close()
+    return proc, reader
+
+
+def wait_for_engine_core(proc: BaseProcess, reader: Connection) -> tuple[BaseProcess, CoreInfo]:
+    """Wait until the spawned core has loaded the model; raises EngineStartError if it failed."""
     ready = multiprocessing.connection.wait([reader, proc.sentinel], timeout=READY_TIMEOUT_S)
     if reader in ready:
         try:
@@ -80,18 +92,48 @@ def serve(config: EngineConfig, settings: ServerSettings, api_server_count: int 
     )
     core = None
     try:
-        core, info = start_engine_core(config, addresses)
+        core, reader = spawn_engine_core(config, addresses)
+        # One API server runs here: its tokenizer loads while the core loads the model. A failure
+        # is raised once the core has answered, so a core that cannot start is still reported first.
+        prepared: PreparedAPIServer | Exception | None = None
+        if api_server_count == 1:
+            try:
+                prepared = prepare_api_server(config, settings)
+            except Exception as exc:  # noqa: BLE001 - re-raised below
+                prepared = exc
+        core, info = wait_for_engine_core(core, reader)
+        if isinstance(prepared, Exception):
+            raise prepared
         logger.info("engine core ready (pid %d): %s on %s, max_model_len %d",
                     core.pid, info.model_name, info.device, info.max_model_len)
-        if api_server_count == 1:
+        if prepared is not None:
             set_process_title("tidal-engine: api-server")
-            return run_api_server(config, settings, info, addresses, 0, core_process=core)
+            return run_api_server(config, settings, info, addresses, 0, core_process=core, prepared=prepared)
         return _manage_api_servers(config, settings, info, addresses, core)
     finally:
         if core is not None and core.is_alive():
             core.kill()  # only reached after a drain, or when the server itself failed
             core.join(10)
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+@dataclasses.dataclass
+class PreparedAPIServer:
+    """What an API server loads before it can serve: the tokenizer and the settings with the
+    generation config's sampling defaults."""
+
+    tokenizer: Any
+    settings: ServerSettings
+
+
+def prepare_api_server(config: EngineConfig, settings: ServerSettings) -> PreparedAPIServer:
+    from tidal_engine.models.loader import load_tokenizer
+
+    from tidal_engine.server.generation_config import load_sampling_defaults
+
+    tokenizer = load_tokenizer(config.model, config.tokenizer)
+    defaults = load_sampling_defaults(settings.generation_config, config.model)
+    return PreparedAPIServer(tokenizer, dataclasses.replace(settings, default_sampling={**defaults, **settings.default_sampling}))
 
 
 def run_api_server(
@@ -102,20 +144,17 @@ def run_api_server(
     index: int,
     core_process: BaseProcess | None = None,
     reuse_port: bool = False,
+    prepared: PreparedAPIServer | None = None,
 ) -> int:
     if info.pooling is not None:  # a pooling core (embeddings, scores): its own API
         from tidal_engine.server.pooling import run_pooling_api_server
 
         return run_pooling_api_server(config, settings, info, addresses, index, core_process, reuse_port)
     from tidal_engine.engine.async_llm import AsyncLLM
-    from tidal_engine.models.loader import load_tokenizer
 
-    from tidal_engine.server.generation_config import load_sampling_defaults
-
-    tokenizer = load_tokenizer(config.model, config.tokenizer)
-    defaults = load_sampling_defaults(settings.generation_config, config.model)
-    settings = dataclasses.replace(settings, default_sampling={**defaults, **settings.default_sampling})
-    engine = AsyncLLM(tokenizer, info, addresses, index, enable_sleep_mode=config.enable_sleep_mode,
+    prepared = prepared or prepare_api_server(config, settings)
+    settings = prepared.settings
+    engine = AsyncLLM(prepared.tokenizer, info, addresses, index, enable_sleep_mode=config.enable_sleep_mode,
                       core_process=core_process)
     return run_server(engine, settings, reuse_port=reuse_port)
 
