@@ -2,7 +2,7 @@
 to its first token, through the router.
 
     python3 benchmarks/gpu_share_switch_bench.py --model FOLDER --json OUT.json [--util 0.45] \\
-        [--declared-share 0.6] [--rounds 6] [--settle-s 10] [--cache-dir DIR] [--logs DIR]
+        [--declared-share 0.6] [--rounds 6] [--settle-s 5] [--cache-dir DIR] [--logs DIR]
 
 What runs:
 - two ``tidal-engine serve`` processes of the same checkpoint, served as ``a`` and ``b``, each with
@@ -185,7 +185,7 @@ def main() -> None:
     parser.add_argument("--util", type=float, default=0.45)
     parser.add_argument("--declared-share", type=float, default=0.6)
     parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--settle-s", type=float, default=10.0)
+    parser.add_argument("--settle-s", type=float, default=5.0)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--dtype", default="bfloat16")

@@ -101,6 +101,25 @@ def stage_write(args: argparse.Namespace) -> dict[str, Any]:
     return {"folder": str(folder), "checkpoint_bytes": size, "write_s": time.perf_counter() - start}
 
 
+def _weights_match_checkpoint(model: Any, folder: Path) -> dict[str, bool]:
+    """A few parameters, as loaded on the device, against the checkpoint read with safetensors."""
+    import torch
+    from safetensors import safe_open
+
+    index = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+    params = dict(model.named_parameters())
+    last = max(int(n.split(".")[2]) for n in index if n.startswith("model.layers."))
+    out = {}
+    for name in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.0.self_attn.o_proj.weight",
+                 f"model.layers.{last}.mlp.down_proj.weight"):
+        ours = params.get(name.removeprefix("model."))
+        if name not in index or ours is None:
+            continue
+        with safe_open(str(folder / index[name]), framework="pt") as handle:
+            out[name] = bool(torch.equal(ours.detach().cpu(), handle.get_tensor(name)))
+    return out
+
+
 def stage_basics(args: argparse.Namespace) -> dict[str, Any]:
     """What an engine pays before its own work: imports, the CUDA context, the tokenizer."""
     out: dict[str, Any] = {}
@@ -174,6 +193,8 @@ def stage_engine(args: argparse.Namespace) -> dict[str, Any]:
         "graph_capture_s": runner.graphs.capture_seconds if runner.graphs else None,
         "mixed_graph_capture_s": runner.mixed_graphs.capture_seconds if runner.mixed_graphs else None,
     }
+    if not args.dummy:
+        res["weights_equal_checkpoint"] = _weights_match_checkpoint(runner.model, folder)
     prompts = _prompts(4, 64, 1)
     reference = _greedy(llm, prompts, 32)
     graphs = runner.graphs
@@ -228,10 +249,10 @@ def stage_profile(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def stage_nowarm(args: argparse.Namespace) -> dict[str, Any]:
-    """An experiment: the CUDA graphs captured after one eager warm-up run (of the largest size)
-    instead of one per size, in a fresh process with an empty cache dir (so Triton compiles inside
-    the captures). Checks: each replay against an eager run of the same inputs, and the greedy
-    output (compare with the ``profile`` stage's, same seed and weights)."""
+    """The check behind capturing the CUDA graphs after one eager warm-up run (of the largest
+    size) instead of one per size (``warm_up_each``), in a fresh process with an empty cache dir
+    (so Triton compiles inside the captures): each replay against an eager run of the same
+    inputs, and the greedy output (compare with the ``profile`` stage's: same seed and weights)."""
     import tempfile
 
     import torch

