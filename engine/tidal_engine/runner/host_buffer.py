@@ -43,7 +43,9 @@ class HostBuffer:
         with self._lock:
             if self._thread is not None or self._tensor is not None:
                 return
-            self._thread = threading.Thread(target=self._prepare_catching, name="tidal-host-buffer", daemon=True)
+            # Not a daemon: a process that exits meanwhile waits for it (a second or two) rather
+            # than abort while the thread is inside the CUDA runtime.
+            self._thread = threading.Thread(target=self._prepare_catching, name="tidal-host-buffer", daemon=False)
             self._thread.start()
 
     def get(self) -> torch.Tensor:
