@@ -313,3 +313,20 @@ def test_dummy_load_format_reads_nothing_and_gives_finite_logits(tmp_path: Path)
     assert torch.equal(model.norm.weight, torch.ones_like(model.norm.weight))
     logits = run_chunks(model, [1, 2, 3, 4, 5], [5], 4)
     assert torch.isfinite(logits).all() and logits.std() > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_staged_uploads_give_the_bytes_of_the_host_arrays_gpu() -> None:
+    import numpy as np
+
+    from tidal_engine.models.staged_upload import StagedUploader
+
+    uploader = StagedUploader(torch.device("cuda"), lanes=1, chunk_bytes=1 << 16)
+    try:
+        rng = np.random.default_rng(0)
+        for size in (1, (1 << 16) - 1, 1 << 16, 5 * (1 << 16) + 7):  # within, at and across chunk edges
+            data = rng.integers(0, 256, size, dtype=np.uint8)
+            assert torch.equal(uploader.upload(data).cpu(), torch.from_numpy(data))
+    finally:
+        uploader.close()
