@@ -17,8 +17,9 @@ torch's caching allocator) carries over between them:
    memory is polled with nvidia-smi throughout. Passes when both finish every request (no OOM).
 
 Further stages: ``basics`` (seconds for the CUDA context, importing Triton and transformers, the
-tokenizer), ``profile`` (a warm construction under cProfile: the functions that took the time),
-``switch`` (``gpu_share_switch_bench.py``: two engines of a GPU-share group taking turns through the
+tokenizer, locking 1 GiB of host memory), ``profile`` (a warm construction under cProfile: the
+functions that took the time), ``nowarm`` (the CUDA graphs' single warm-up run checked with an
+empty cache dir: replays against eager runs), ``switch`` (``gpu_share_switch_bench.py``: two engines of a GPU-share group taking turns through the
 router). ``--dummy`` runs on a config-only folder with ``load_format="dummy"`` (nothing read from
 disk; a quick look, not the figures).
 
