@@ -367,6 +367,8 @@ def paged_attention(
     num_splits: int | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of ``query [T, H, D]`` over ``kv_cache [2, blocks, block_size, Hkv, D]``.
 
@@ -379,7 +381,8 @@ def paged_attention(
     (1..MAX_SPLITS) overrides the KV split count; None picks it from the launch's shape
     (``choose_num_splits``), never from tensor values, so it is safe under graph capture.
     ``kv_cache`` is in query's dtype, or fp8 e4m3fn holding ``k / k_scale`` and ``v / v_scale``
-    (the scales are ignored for any other cache dtype).
+    (the scales are ignored for any other cache dtype). ``num_warps`` / ``num_stages`` override
+    the launch's (tuning sweeps).
     """
     if query.dim() != 3:
         raise ValueError(f"query must be [num_tokens, num_heads, head_dim], got shape {tuple(query.shape)}")
@@ -483,7 +486,8 @@ def paged_attention(
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         SPLIT=split,
         KV_FP8=kv_fp8,
-        num_warps=4 if block_m * max(16, next_power_of_2(head_dim)) <= 64 * 128 else 8,
+        num_warps=num_warps or (4 if block_m * max(16, next_power_of_2(head_dim)) <= 64 * 128 else 8),
+        **({"num_stages": num_stages} if num_stages else {}),
     )
     if split:
         combine_splits(partial_out, partial_lse, query_start_loc, out)
