@@ -556,3 +556,26 @@ def test_tokens_beyond_bitmask_width_stay_allowed() -> None:
     logits[0, 66] = 5.0
     two_words = bitmask_bytes([1], 64)  # covers tokens 0..63 only
     assert sampler.sample(logits, ["g"], {"g": two_words}).result()[0] == [66]
+
+
+def test_top_k_candidates_prefilter_is_exact() -> None:
+    # The chunk prefilter (only the k chunks with the largest maxima are searched) returns
+    # torch.topk's values, sorted, under ids that hold them; with ties and -inf too.
+    from tidal_engine.runner.sampler import top_k_candidates
+
+    g = torch.Generator().manual_seed(0)
+    for trial in range(12):
+        x = torch.randn(5, 1024, generator=g)
+        if trial % 3 == 0:
+            x = x.round()  # many ties
+        if trial % 4 == 1:
+            x[:, ::3] = float("-inf")
+        if trial % 2:
+            x = x.to(torch.bfloat16)
+        k = (1, 5, 17, 50)[trial % 4]
+        values, ids = top_k_candidates(x, k, chunk=4)
+        assert torch.equal(values, x.topk(k, dim=-1).values)
+        assert torch.equal(x.gather(1, ids), values)
+        assert all(len(set(row.tolist())) == k for row in ids)
+    wide = torch.randn(2, 64, generator=g)  # k * chunk too large for the vocabulary: plain topk
+    assert torch.equal(top_k_candidates(wide, 10, chunk=4)[1], wide.topk(10, dim=-1).indices)

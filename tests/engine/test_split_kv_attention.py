@@ -400,3 +400,14 @@ def test_split_under_cuda_graph_gpu() -> None:
     graph.replay()
     torch.cuda.synchronize()
     assert_close(out, long.reference(128**-0.5), dtype)
+
+
+@cpu_only
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_launch_one_program_per_sequence(num_splits: int) -> None:
+    # max_query_len 1: no tile search, program i serves sequence i. Slots with no query (mid-batch
+    # and at the end), padding rows, NaN outside the contexts; one split takes the decode tiles
+    # (128 keys), three the split path.
+    b = make_batch([1, 0, 1, 1, 0], [1, 0, 200, 129, 0], 4, 2, 128, 16, torch.float32, seed=6, pad_tokens=3,
+                   poison_unused=True)
+    check(b, 128**-0.5, torch.float32, num_splits=num_splits)
