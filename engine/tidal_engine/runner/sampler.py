@@ -31,7 +31,8 @@ Order of operations (per row), as before:
 
 Filtering (exact; ``_filter_candidates``, densified by ``filtered_probs`` for tests). Random rows
 are split, on the host, into three groups:
-  * ``top_k``: rows with top_k set. ``torch.topk(x, max_k)`` gives the k best candidates sorted,
+  * ``top_k``: rows with top_k set. ``top_k_candidates(x, max_k)`` gives the k best candidates sorted
+    (a ``torch.topk`` over only the chunks of the vocabulary that can hold them),
     positions ≥ the row's k are masked, and top-p / min-p run on those candidates: exact, since
     top-p acts on the renormalised top-k distribution, which lives inside the candidates.
   * ``sort``: rows with top_p < 1 but no top_k. Top-p needs the order of the whole vocabulary,
