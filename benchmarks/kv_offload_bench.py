@@ -6,9 +6,12 @@ Usage (on the GPU machine, from the repository root; docs/kv-offload.md reads th
         --shape qwen3-8b --host-gib 16 --out out/kv-offload-qwen3-8b.json
 
 Two engines on one GPU, random weights of the real shape (``--load-format dummy``), bf16,
-decode CUDA graphs (sizes 1..128), mixed-step graphs only with --mixed-graphs (the engine's
-default; off, start-up is shorter but short prefill steps run eagerly), the same for both:
+decode CUDA graphs (sizes 1..128), mixed-step graphs as the engine's default (--no-mixed-graphs:
+eager short prefill steps, as the first run of 2026-12-01 had), the same for both:
 ``on`` with ``--kv-offloading-size``, ``off`` without; both have the same device KV pool.
+The ``on`` engine runs every section under both saving policies, write-through (``wt``) and
+save-on-eviction (``ev``): the policy is switched on its connector between runs, with the
+host pool emptied (one pinned pool: host memory would not hold two of the multi-turn size).
 A smaller device pool is made by taking blocks out of the pool (``limit_device_blocks``:
 they are held, as a request would hold them), so one engine serves every pool size.
 
@@ -63,11 +66,11 @@ def config_folder(shape: str, root: Path) -> Path:
     return folder
 
 
-def make_llm(folder: Path, num_blocks: int, host_gib: float | None, device: str, mixed_graphs: bool = False) -> LLM:
+def make_llm(folder: Path, num_blocks: int, host_gib: float | None, device: str, mixed_graphs: bool = True) -> LLM:
     options: dict[str, Any] = dict(dtype="bfloat16", device=device, max_model_len=8192, load_format="dummy",
                                    skip_tokenizer_init=True, num_gpu_blocks_override=num_blocks,
                                    max_num_seqs=128, cuda_graph_sizes=[1, 2, 4, 8, 16, 32, 64, 128],
-                                   mixed_cuda_graphs=mixed_graphs)  # both engines alike; off: shorter start-up
+                                   mixed_cuda_graphs=mixed_graphs)  # both engines alike
     if host_gib:
         options["kv_offloading_size"] = host_gib
     return LLM(str(folder), **options)
@@ -86,6 +89,17 @@ def settle(llm: LLM) -> None:
     core = llm.engine.core
     core.settle()
     core.finish_kv_transfers()
+
+
+def use_policy(llm: LLM, policy: str) -> None:
+    """Switch the ``on`` engine's saving policy, starting from an empty host pool."""
+    settle(llm)
+    connector = llm.engine.core.scheduler.connector
+    connector.reset()
+    connector.save_policy = policy
+
+
+POLICIES = {"wt": "write-through", "ev": "eviction"}
 
 
 def prompts(rng: random.Random, n: int, length: int, vocab: int) -> list[list[int]]:
@@ -116,26 +130,29 @@ def bench_ttft(on: LLM, off: LLM, vocab: int, prompt_len: int) -> dict[str, Any]
         timed(on, prompts(rng, 1, prompt_len, vocab), one)  # warm-up both engines at this length
         timed(off, prompts(rng, 1, prompt_len, vocab), one)
         recompute_off = [timed(off, prompts(rng, 1, prompt_len, vocab), one)[0] for _ in range(3)]
-        recompute_on, host, device_hit, deltas = [], [], [], []
-        for _ in range(3):
-            target = prompts(rng, 1, prompt_len, vocab)
-            recompute_on.append(timed(on, target, one)[0])
-            device_hit.append(timed(on, target, one)[0])
-            fillers = 400 // (prompt_len // 16) + 1  # enough to push it out of the 400-block device pool
-            for filler in prompts(rng, fillers, prompt_len, vocab):
-                timed(on, [filler], one)
-            settle(on)
-            before = on.engine.get_stats()
-            host.append(timed(on, target, one)[0])
-            deltas.append(stats_delta(on, before))
-        out.update(
-            recompute_off_s=recompute_off, recompute_on_s=recompute_on, host_hit_s=host, device_hit_s=device_hit,
-            host_hit_counters=deltas,
-            median_s={"recompute_off": statistics.median(recompute_off), "recompute_on": statistics.median(recompute_on),
-                      "host_hit": statistics.median(host), "device_hit": statistics.median(device_hit)},
-        )
-        out["host_over_recompute"] = out["median_s"]["host_hit"] / out["median_s"]["recompute_off"]
-        out["device_hit_over_recompute"] = out["median_s"]["device_hit"] / out["median_s"]["recompute_off"]
+        out["recompute_off_s"] = recompute_off
+        out["median_s"] = {"recompute_off": statistics.median(recompute_off)}
+        for tag, policy in POLICIES.items():
+            use_policy(on, policy)
+            recompute_on, host, device_hit, deltas = [], [], [], []
+            for _ in range(3):
+                target = prompts(rng, 1, prompt_len, vocab)
+                recompute_on.append(timed(on, target, one)[0])
+                device_hit.append(timed(on, target, one)[0])
+                fillers = 400 // (prompt_len // 16) + 1  # enough to push it out of the 400-block device pool
+                for filler in prompts(rng, fillers, prompt_len, vocab):
+                    timed(on, [filler], one)
+                settle(on)
+                before = on.engine.get_stats()
+                host.append(timed(on, target, one)[0])
+                deltas.append(stats_delta(on, before))
+            out[tag] = {"policy": policy, "recompute_on_s": recompute_on, "host_hit_s": host,
+                        "device_hit_s": device_hit, "host_hit_counters": deltas}
+            out["median_s"].update({f"recompute_on_{tag}": statistics.median(recompute_on),
+                                    f"host_hit_{tag}": statistics.median(host),
+                                    f"device_hit_{tag}": statistics.median(device_hit)})
+            out[f"host_over_recompute_{tag}"] = statistics.median(host) / out["median_s"]["recompute_off"]
+            out[f"device_hit_over_recompute_{tag}"] = statistics.median(device_hit) / out["median_s"]["recompute_off"]
         return out
     finally:
         undo_on()
@@ -145,55 +162,70 @@ def bench_ttft(on: LLM, off: LLM, vocab: int, prompt_len: int) -> dict[str, Any]
 def bench_decode(on: LLM, off: LLM, vocab: int, n: int = 64) -> dict[str, Any]:
     rng = random.Random(2)
     params = SamplingParams(max_tokens=256, ignore_eos=True)
-    runs: dict[str, list[float]] = {"off": [], "on": []}
-    counters = None
+    runs: dict[str, list[float]] = {"off": [], "wt": [], "ev": []}
+    counters: dict[str, Any] = {}
     for _ in range(2):
-        for name, llm in (("off", off), ("on", on)):
+        for name in runs:
+            llm = off if name == "off" else on
+            if name != "off":
+                use_policy(on, POLICIES[name])
             batch = prompts(rng, n, 128, vocab)
             before = llm.engine.get_stats()
             seconds, outs = timed(llm, batch, params)
             runs[name].append(sum(len(o.outputs[0].token_ids) for o in outs) / seconds)
-            if name == "on":
-                counters = stats_delta(llm, before)
+            if name != "off":
+                counters[name] = stats_delta(llm, before)
     best = {k: max(v) for k, v in runs.items()}
     return {"requests": n, "prompt": 128, "output": 256, "output_tok_s": runs, "best_tok_s": best,
-            "on_over_off": best["on"] / best["off"], "on_counters_last_run": counters}
+            "wt_over_off": best["wt"] / best["off"], "ev_over_off": best["ev"] / best["off"],
+            "counters_last_run": counters}
 
 
-def bench_multi_turn(on: LLM, off: LLM, vocab: int, users: int, turns: int, history: int, block_size: int = 16) -> dict[str, Any]:
+def run_turns(llm: LLM, users: int, turns: int, history: int, vocab: int, usable: int,
+              msg: int, reply: int) -> dict[str, Any]:
+    rng = random.Random(3)  # the same conversations for every engine and policy
+    convs = prompts(rng, users, history, vocab)
+    undo = limit_device_blocks(llm, usable)
+    try:
+        before = llm.engine.get_stats()
+        params = SamplingParams(max_tokens=reply, ignore_eos=True)
+        ttfts: list[float] = []
+        total = 0.0
+        generated = 0
+        for _ in range(turns):
+            for conv in convs:
+                conv.extend(rng.randrange(1000, vocab - 1000) for _ in range(msg))
+            seconds, outs = timed(llm, convs, params)
+            total += seconds
+            for conv, o in zip(convs, outs):
+                conv.extend(o.outputs[0].token_ids)
+                generated += len(o.outputs[0].token_ids)
+                m = o.metrics
+                if m is not None and m.first_token_time is not None:
+                    ttfts.append(m.first_token_time - m.arrival_time)
+        return {"wall_s": total, "output_tok_s": generated / total, "requests_per_s": users * turns / total,
+                "ttft_p50_s": statistics.median(ttfts) if ttfts else None, "counters": stats_delta(llm, before)}
+    finally:
+        undo()
+        settle(llm)
+
+
+def bench_multi_turn(on: LLM, off: LLM, vocab: int, users: int, turns: int, history: int,
+                     save: Callable[[dict[str, Any]], None], block_size: int = 16) -> dict[str, Any]:
     msg, reply = 64, 64
     final_len = history + turns * (msg + reply)
     working_blocks = users * -(-final_len // block_size)
     usable = max(working_blocks // 4, -(-final_len // block_size) + 1)
     out: dict[str, Any] = {"users": users, "turns": turns, "history_tokens": history, "message_tokens": msg,
                            "reply_tokens": reply, "working_set_blocks": working_blocks, "device_pool_blocks": usable}
-    for name, llm in (("off", off), ("on", on)):
-        rng = random.Random(3)  # the same conversations for both engines
-        convs = prompts(rng, users, history, vocab)
-        undo = limit_device_blocks(llm, usable)
-        try:
-            before = llm.engine.get_stats()
-            params = SamplingParams(max_tokens=reply, ignore_eos=True)
-            ttfts: list[float] = []
-            total = 0.0
-            generated = 0
-            for _ in range(turns):
-                for conv in convs:
-                    conv.extend(rng.randrange(1000, vocab - 1000) for _ in range(msg))
-                seconds, outs = timed(llm, convs, params)
-                total += seconds
-                for conv, o in zip(convs, outs):
-                    conv.extend(o.outputs[0].token_ids)
-                    generated += len(o.outputs[0].token_ids)
-                    m = o.metrics
-                    if m is not None and m.first_token_time is not None:
-                        ttfts.append(m.first_token_time - m.arrival_time)
-            out[name] = {"wall_s": total, "output_tok_s": generated / total, "requests_per_s": users * turns / total,
-                         "ttft_p50_s": statistics.median(ttfts) if ttfts else None, "counters": stats_delta(llm, before)}
-        finally:
-            undo()
-            settle(llm)
-    out["throughput_on_over_off"] = out["on"]["requests_per_s"] / out["off"]["requests_per_s"]
+    for name in ("off", "wt", "ev"):
+        if name != "off":
+            use_policy(on, POLICIES[name])
+        out[name] = run_turns(off if name == "off" else on, users, turns, history, vocab, usable, msg, reply)
+        save(out)  # each engine's figures survive a timeout in the next
+    for name in ("wt", "ev"):
+        out[f"throughput_{name}_over_off"] = out[name]["requests_per_s"] / out["off"]["requests_per_s"]
+        out[f"ttft_p50_{name}_over_off"] = out[name]["ttft_p50_s"] / out["off"]["ttft_p50_s"]
     return out
 
 
@@ -206,8 +238,8 @@ def main() -> None:
     ap.add_argument("--users", type=int, default=32)
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--history", type=int, default=2048)
-    ap.add_argument("--mixed-graphs", action="store_true",
-                    help="capture mixed-step CUDA graphs as the engine does by default (the 2026-12-01 run had them off)")
+    ap.add_argument("--mixed-graphs", action=argparse.BooleanOptionalAction, default=True,
+                    help="capture mixed-step CUDA graphs, the engine's default (the first 2026-12-01 run had them off)")
     ap.add_argument("--skip", default="")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip sections that start after this many seconds")
     ap.add_argument("--models", default="/tmp/tidal-bench-models")
@@ -221,7 +253,7 @@ def main() -> None:
         "date": os.environ.get("TIDAL_BENCH_DATE") or datetime.date.today().isoformat(),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "torch": torch.__version__,
         "python": platform.python_version(), "shape": args.shape, "host_gib": args.host_gib,
-        "device_blocks": args.device_blocks, "_wall_s": {},
+        "device_blocks": args.device_blocks, "mixed_graphs": args.mixed_graphs, "_wall_s": {},
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -258,7 +290,11 @@ def main() -> None:
     save()
     guarded("ttft", lambda: bench_ttft(on, off, vocab, args.prompt_len))
     guarded("decode", lambda: bench_decode(on, off, vocab))
-    guarded("multi_turn", lambda: bench_multi_turn(on, off, vocab, args.users, args.turns, args.history))
+    def partial(section: dict[str, Any]) -> None:
+        results["multi_turn"] = section
+        save()
+
+    guarded("multi_turn", lambda: bench_multi_turn(on, off, vocab, args.users, args.turns, args.history, partial))
     results["total_wall_s"] = time.perf_counter() - started
     save()
     print("done", out, flush=True)

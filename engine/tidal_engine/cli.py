@@ -161,6 +161,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                             "cache, served back on a prefix hit (docs/kv-offload.md); default: off")
     sched.add_argument("--kv-offloading-backend", default="native", choices=("native",),
                        help="the KV offload implementation (vLLM's flag; only Tidal's own)")
+    sched.add_argument("--kv-offloading-save", default="write-through", choices=("write-through", "eviction"),
+                       help="save full blocks to host memory once computed (write-through) or when the device "
+                            "cache evicts them (eviction); docs/kv-offload.md compares them")
 
     lora = parser.add_argument_group("LoRA", "multi-LoRA serving (docs/lora.md)")
     lora.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters next to the base model")
@@ -342,6 +345,7 @@ def engine_config(parser: argparse.ArgumentParser, args: argparse.Namespace, mod
             cache_dir=args.cache_dir,
             kv_offloading_size=args.kv_offloading_size,
             kv_offloading_backend=args.kv_offloading_backend,
+            kv_offloading_save=args.kv_offloading_save,
             quantization=args.quantization,
             tensor_parallel_size=args.tensor_parallel_size,
             pipeline_parallel_size=args.pipeline_parallel_size,

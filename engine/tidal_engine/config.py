@@ -76,6 +76,9 @@ class EngineConfig:
     # and the backend ("native": Tidal's own connector, kv_transfer/).
     kv_offloading_size: float | None = None
     kv_offloading_backend: str = "native"
+    # When blocks reach the host pool: "write-through" (after they are computed) or "eviction"
+    # (when the device pool reuses them); Tidal's own flag, docs/kv-offload.md has the figures.
+    kv_offloading_save: str = "write-through"
     # Weight quantization (docs/quantization.md): None/"none" = what the checkpoint has; fp8 also
     # quantizes a 16/32-bit checkpoint while loading; awq/gptq/compressed-tensors must match it.
     quantization: str | None = None
@@ -131,6 +134,9 @@ class EngineConfig:
                 raise ValueError(f"kv_offloading_size must be > 0 GiB, got {self.kv_offloading_size}")
             if self.kv_offloading_backend != "native":
                 raise ValueError(f"kv_offloading_backend must be 'native', got {self.kv_offloading_backend!r}")
+            if self.kv_offloading_save not in ("write-through", "eviction"):
+                raise ValueError(f"kv_offloading_save must be 'write-through' or 'eviction', "
+                                 f"got {self.kv_offloading_save!r}")
             if not self.enable_prefix_caching:
                 raise ValueError("KV offloading needs prefix caching (its keys are the prefix-cache block hashes)")
             if self.world_size > 1:

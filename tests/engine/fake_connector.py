@@ -2,7 +2,8 @@
 
 The "outside" tier is a dict of block hash → the block's contents (the fake model's KV is the
 token ids themselves). The worker half finishes a load ``delay`` polls after it started,
-or fails it when ``fail`` says so, without writing anything; saves copy at once. Everything a
+or fails it when ``fail`` says so, without writing anything; saves copy at once, and so do
+loads the plan names ``before_forward`` (set ``fuses_loads`` to have the scheduler ask). Everything a
 load writes goes through the block ids in the plan, so a wrong block shows up as corrupt KV
 in ``FakeModel.execute``.
 """
@@ -33,6 +34,7 @@ class FakeConnector(KVConnectorScheduler):
         self._queued: list[tuple[str, BlockTransfer]] = []  # ("load" | "save", transfer)
         self._in_flight: dict[int, tuple[str, str | None, list[int]]] = {}  # id → kind, request, blocks
         self._load_of: dict[str, int] = {}
+        self._before_forward: list[int] = []
         self.saving = True
 
     def _address(self, key: BlockHash) -> int:
@@ -48,12 +50,15 @@ class FakeConnector(KVConnectorScheduler):
             count += 1
         return count * self.block_size
 
-    def start_load(self, request: Request, block_ids: list[int], keys: list[BlockHash]) -> None:
+    def start_load(self, request: Request, block_ids: list[int], keys: list[BlockHash],
+                   before_forward: bool = False) -> None:
         self.holder.hold_blocks(block_ids)
         transfer = BlockTransfer(next(self._ids), list(block_ids), [self._address(k) for k in keys])
         self._queued.append(("load", transfer))
         self._in_flight[transfer.transfer_id] = ("load", request.request_id, list(block_ids))
         self._load_of[request.request_id] = transfer.transfer_id
+        if before_forward:
+            self._before_forward.append(transfer.transfer_id)
 
     def blocks_computed(self, request: Request, blocks: list[tuple[int, BlockHash]]) -> None:
         new = [(b, k) for b, k in blocks if k not in self.store] if self.saving else []
@@ -75,7 +80,9 @@ class FakeConnector(KVConnectorScheduler):
         if not self._queued:
             return None
         queued, self._queued = self._queued, []
-        return KVTransferPlan(loads=[t for k, t in queued if k == "load"], saves=[t for k, t in queued if k == "save"])
+        before, self._before_forward = self._before_forward, []
+        return KVTransferPlan(loads=[t for k, t in queued if k == "load"], saves=[t for k, t in queued if k == "save"],
+                              before_forward=before)
 
     def on_report(self, report: KVTransferReport) -> tuple[list[str], list[str]]:
         loaded: list[str] = []
@@ -112,7 +119,15 @@ class FakeConnectorWorker:
             self._done.append(t.transfer_id)
         for t in plan.loads:
             self.started_loads += 1
-            self._loads.append((self.delay, t))
+            if t.transfer_id in plan.before_forward:  # the forward of this step reads it
+                self._write(t)
+                self._done.append(t.transfer_id)
+            else:
+                self._loads.append((self.delay, t))
+
+    def _write(self, t: BlockTransfer) -> None:
+        for block, address in zip(t.block_ids, t.remote):
+            self.kv[block] = list(self.connector.store[self.connector.addresses[address]])
 
     def poll(self) -> KVTransferReport:
         done, failed = self._done, []
@@ -124,8 +139,7 @@ class FakeConnectorWorker:
             elif self.fail(t):
                 failed.append(t.transfer_id)
             else:
-                for block, address in zip(t.block_ids, t.remote):
-                    self.kv[block] = list(self.connector.store[self.connector.addresses[address]])
+                self._write(t)
                 done.append(t.transfer_id)
         self._loads = waiting
         return KVTransferReport(done=done, failed=failed)

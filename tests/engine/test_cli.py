@@ -127,8 +127,11 @@ def test_kv_offloading_flags_reach_the_config(monkeypatch: pytest.MonkeyPatch) -
     captured: dict[str, Any] = {}
     monkeypatch.setattr("tidal_engine.server.launcher.serve",
                         lambda config, settings, api_server_count: captured.update(config=config) or 0)
-    assert run_main(["serve", "m", "--kv-offloading-size", "2.5", "--kv-offloading-backend", "native"]) == 0
-    assert captured["config"].kv_offloading_size == 2.5 and captured["config"].kv_offloading_backend == "native"
+    assert run_main(["serve", "m", "--kv-offloading-size", "2.5", "--kv-offloading-backend", "native",
+                     "--kv-offloading-save", "eviction"]) == 0
+    config = captured["config"]
+    assert config.kv_offloading_size == 2.5 and config.kv_offloading_backend == "native"
+    assert config.kv_offloading_save == "eviction"
 
 
 def test_api_key_flag_beats_env_and_defaults(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -18,13 +18,15 @@ from test_scheduler import BS, FakeModel, check_output, reference_output
 
 
 class ConnectorHarness:
-    def __init__(self, num_blocks: int = 32, delay: int = 0, fail: bool = False, **config: object) -> None:
+    def __init__(self, num_blocks: int = 32, delay: int = 0, fail: bool = False, fuses_loads: bool = False,
+                 **config: object) -> None:
         params: dict[str, object] = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256, block_size=BS)
         params.update(config)
         self.config = SchedulerConfig(**params)  # type: ignore[arg-type]
         self.num_blocks = num_blocks
         self.kv = KVCacheManager(num_blocks, BS, enable_prefix_caching=True)
         self.connector = FakeConnector(self.kv, BS)
+        self.connector.fuses_loads = fuses_loads
         self.scheduler = Scheduler(self.config, self.kv, self.connector)
         self.model = FakeModel(num_blocks, BS)
         self.worker = FakeConnectorWorker(self.connector, self.model.kv, delay, lambda t: fail)
@@ -83,6 +85,43 @@ def test_delayed_load_waits_in_its_own_state_and_resumes_at_the_loaded_position(
     stats = h.scheduler.external_cache_stats
     assert (stats.queries, stats.hits) == (70 + 70 + 3, 64)
     assert h.kv.num_free_blocks == h.num_blocks  # every hold was released
+
+
+def test_load_in_an_idle_step_computes_its_tail_in_that_step() -> None:
+    h = ConnectorHarness(delay=3, fuses_loads=True)
+    h.add("first", PROMPT)
+    h.run()
+    h.evict_device_cache()
+    again = h.add("again", PROMPT)
+    output = h.scheduler.schedule()
+    assert again.status == RequestStatus.RUNNING and not h.scheduler.loading
+    assert [(c.request, c.start, c.num_new_tokens) for c in output.chunks] == [(again, 64, 6)]
+    assert output.kv_transfer is not None and output.kv_transfer.before_forward == [output.kv_transfer.loads[0].transfer_id]
+    h.worker.start(output.kv_transfer)
+    for req in h.scheduler.update_from_output(output, h.model.execute(output)):
+        assert req is again and again.output_token_ids == reference_output(PROMPT, 1)
+    h.scheduler.update_from_kv_transfer(h.worker.poll())
+    h.run()
+    assert again.output_token_ids == reference_output(PROMPT, 4)
+    assert again.num_cached_tokens == 64
+    assert h.kv.num_free_blocks == h.num_blocks
+
+
+def test_load_waits_for_its_report_while_others_compute() -> None:
+    h = ConnectorHarness(delay=2, fuses_loads=True)
+    h.add("first", PROMPT)
+    h.run()
+    h.evict_device_cache()
+    other = h.add("other", [5, 6, 7], max_tokens=8)
+    h.step()
+    again = h.add("again", PROMPT)
+    h.step()
+    assert other.status == RequestStatus.RUNNING  # it computes in this step: no fusing
+    assert again.status == RequestStatus.WAITING_FOR_REMOTE_KV
+    h.run()
+    assert again.output_token_ids == reference_output(PROMPT, 4)
+    assert other.output_token_ids == reference_output([5, 6, 7], 8)
+    assert h.kv.num_free_blocks == h.num_blocks
 
 
 def test_failed_load_recomputes_with_nothing_lost() -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 BlockHash = bytes  # 32-byte sha256 digest
 
@@ -71,6 +71,9 @@ class BlockPool:
         # when a cached free block gets a prefix hit.
         self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.cached_blocks: dict[BlockHash, Block] = {}
+        # Told (block id, hash) when a cached block is taken for reuse: a KV connector that
+        # saves on eviction copies it out before the step that overwrites it.
+        self.on_evict: Callable[[int, BlockHash], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -143,4 +146,6 @@ class BlockPool:
             return
         if self.cached_blocks.get(block.block_hash) is block:
             del self.cached_blocks[block.block_hash]
+            if self.on_evict is not None:
+                self.on_evict(block.block_id, block.block_hash)
         block.block_hash = None

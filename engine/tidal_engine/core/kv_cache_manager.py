@@ -16,6 +16,7 @@ Decisions:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tidal_engine.core.block_pool import Block, BlockHash, BlockPool
@@ -153,6 +154,10 @@ class KVCacheManager:
 
     def release_blocks(self, block_ids: list[int]) -> None:
         self.block_pool.free_blocks(self.block_pool.blocks[i] for i in block_ids)
+
+    def watch_evictions(self, callback: Callable[[int, BlockHash], None]) -> None:
+        """``callback(block id, hash)`` whenever a cached block is taken for reuse."""
+        self.block_pool.on_evict = callback
 
     def free(self, request: Request) -> None:
         """Release the request's blocks (no-op if it holds none).

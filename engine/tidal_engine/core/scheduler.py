@@ -282,6 +282,9 @@ class Scheduler:
         adapters = {r.lora_name for r in self.running if r.lora_name is not None}
         adapters |= {r.lora_name for r, _ in self.loading.values() if r.lora_name is not None}
         skipped: list[Request] = []
+        # No running request computes in this step: a load may carry its request's tail into
+        # it (the forward waits for the load on the device; nobody else waits with it).
+        fuse_loads = not scheduled and self.connector is not None and self.connector.fuses_loads
         while not preempted and self.waiting and budget > 0 \
                 and len(self.running) + len(self.loading) < self.config.max_num_seqs:
             request = self.waiting[0]
@@ -298,11 +301,15 @@ class Scheduler:
                 num_hit, num_new, block_ids = 0, request.num_tokens, []
             else:
                 computed_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
-                if self.connector is not None and not request.skips_prefix_cache \
-                        and self._start_load(request, computed_blocks, num_hit):
-                    if lora is not None:
-                        adapters.add(lora)
-                    continue
+                if self.connector is not None and not request.skips_prefix_cache:
+                    loaded = self._start_load(request, computed_blocks, num_hit, budget if fuse_loads else 0)
+                    if loaded is not None:
+                        if isinstance(loaded, ScheduledChunk):
+                            scheduled[request.request_id] = loaded
+                            budget -= loaded.num_new_tokens
+                        if lora is not None:
+                            adapters.add(lora)
+                        continue
                 num_new = request.num_tokens - num_hit  # >= 1: a hit never covers the last token
                 if num_new > budget:
                     if not self.config.enable_chunked_prefill:
@@ -336,27 +343,56 @@ class Scheduler:
         )
 
     # ---- KV connector ---------------------------------------------------------------------
-    def _start_load(self, request: Request, computed_blocks: list, num_hit: int) -> bool:
-        """Admit ``request`` into WAITING_FOR_REMOTE_KV if the connector has blocks past its
-        device hit: allocate them and start the load. False: nothing to load (or no room yet:
-        then the normal admission finds no room either and waits)."""
+    def _start_load(
+        self, request: Request, computed_blocks: list, num_hit: int, fuse_budget: int
+    ) -> ScheduledChunk | bool | None:
+        """Start loading ``request``'s blocks past its device hit if the connector has them:
+        allocate them and start the load. None: nothing to load (or no room yet: then the
+        normal admission finds no room either and waits).
+
+        With ``fuse_budget`` > 0 (a step with no other work, a connector that fuses loads)
+        the tail is allocated and scheduled in this same step, ordered after the load on the
+        device: returns its chunk. Otherwise (or with no room for the tail) the request waits
+        in WAITING_FOR_REMOTE_KV for the load's report: returns True."""
         assert self.connector is not None
         num_external = self.connector.num_matched_tokens(request, num_hit)
         bs = self.config.block_size
         num_external = min(num_external, (request.num_tokens - 1) // bs * bs - num_hit)  # compute >= 1 token
         if num_external <= 0:
-            return False
+            return None
         block_ids = self.kv_cache_manager.allocate_slots(request, num_external, computed_blocks)
         if block_ids is None:
-            return False
+            return None
         self.waiting.popleft()
         self._count_external(request, num_hit, num_external)
         first, end = num_hit // bs, (num_hit + num_external) // bs
+        target = num_hit + num_external
+        chunk = self._fused_tail(request, target, fuse_budget) if fuse_budget > 0 else None
+        self.connector.start_load(request, block_ids[first:end], request.block_hashes[first:end],
+                                  before_forward=chunk is not None)
+        if chunk is not None:
+            return chunk
         request.num_computed_tokens = num_hit
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
-        self.loading[request.request_id] = (request, num_hit + num_external)
-        self.connector.start_load(request, block_ids[first:end], request.block_hashes[first:end])
+        self.loading[request.request_id] = (request, target)
         return True
+
+    def _fused_tail(self, request: Request, target: int, budget: int) -> ScheduledChunk | None:
+        """Run ``request`` from ``target`` (its load's end) in this step, if its tail fits."""
+        num_new = request.num_tokens - target
+        if num_new > budget:
+            if not self.config.enable_chunked_prefill:
+                return None
+            num_new = budget
+        request.num_computed_tokens = target
+        block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+        if block_ids is None:
+            return None  # the caller resets num_computed_tokens and waits for the load
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = target
+        request.status = RequestStatus.RUNNING
+        insort(self.running, request, key=lambda r: self._order[r.request_id])
+        return self._chunk(request, num_new, block_ids)
 
     def _count_external(self, request: Request, num_hit: int, num_external: int) -> None:
         stats = self.external_cache_stats
@@ -373,7 +409,10 @@ class Scheduler:
         for request_id in loaded + failed:
             entry = self.loading.pop(request_id, None)
             if entry is None:
-                continue
+                if request_id in failed and request_id in self.requests:  # it computed on that KV
+                    raise RuntimeError(f"the KV connector failed request {request_id!r}'s load after its "
+                                       "tail was computed on it (a connector that fuses loads must not fail them)")
+                continue  # finished since, or its load was fused with its tail
             request, target = entry
             if request_id in loaded:
                 request.num_computed_tokens = target

@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import msgspec
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import torch
 
     from tidal_engine.core.block_pool import BlockHash
@@ -46,10 +48,15 @@ class BlockTransfer(msgspec.Struct, frozen=True, array_like=True):
 
 
 class KVTransferPlan(msgspec.Struct, frozen=True):
-    """A step's transfers: loads (remote → device) and saves (device → remote)."""
+    """A step's transfers: loads (remote → device) and saves (device → remote).
+
+    ``before_forward``: ids of transfers the step's forward must wait for on the device (a
+    load whose request computes its tail in this same step; a save of a block this step
+    overwrites). The others overlap the forward and later steps."""
 
     loads: list[BlockTransfer] = []
     saves: list[BlockTransfer] = []
+    before_forward: list[int] = []
 
     @property
     def is_empty(self) -> bool:
@@ -73,15 +80,23 @@ class KVTransferReport(msgspec.Struct, frozen=True):
 
 class BlockHolder(Protocol):
     """What the scheduler side may do to device blocks (the ``KVCacheManager`` does this):
-    keep them out of reuse while they are copied."""
+    keep them out of reuse while they are copied, and hear when cached ones are reused."""
 
     def hold_blocks(self, block_ids: list[int]) -> None: ...
 
     def release_blocks(self, block_ids: list[int]) -> None: ...
 
+    def watch_evictions(self, callback: Callable[[int, BlockHash], None]) -> None: ...
+
 
 class KVConnectorScheduler(ABC):
     """The engine core's half. Every method runs in the engine loop thread."""
+
+    #: The worker orders a load before the forward of its step when asked (``before_forward``),
+    #: and a load, once issued, never fails. Then a request whose load starts in a step with
+    #: no other work computes its tail in that same step instead of the next one (no
+    #: transfer-only step on the TTFT path). A connector whose loads can fail keeps this False.
+    fuses_loads: bool = False
 
     @abstractmethod
     def num_matched_tokens(self, request: Request, num_device_hit: int) -> int:
@@ -89,8 +104,10 @@ class KVConnectorScheduler(ABC):
         of the block size). The scheduler caps the answer so one token is always computed."""
 
     @abstractmethod
-    def start_load(self, request: Request, block_ids: list[int], keys: list[BlockHash]) -> None:
-        """Load ``keys`` into the freshly allocated device ``block_ids`` for ``request``."""
+    def start_load(self, request: Request, block_ids: list[int], keys: list[BlockHash],
+                   before_forward: bool = False) -> None:
+        """Load ``keys`` into the freshly allocated device ``block_ids`` for ``request``;
+        ``before_forward``: the request computes in the same step (only if ``fuses_loads``)."""
 
     @abstractmethod
     def blocks_computed(self, request: Request, blocks: list[tuple[int, BlockHash]]) -> None:

@@ -25,4 +25,5 @@ def create_scheduler_connector(config: Any, holder: BlockHolder, info: dict[str,
         return None
     from tidal_engine.kv_transfer.offload_scheduler import OffloadConnectorScheduler
 
-    return OffloadConnectorScheduler(holder, config.block_size, int(info["num_host_blocks"]))
+    return OffloadConnectorScheduler(holder, config.block_size, int(info["num_host_blocks"]),
+                                     getattr(config, "kv_offloading_save", "write-through"))

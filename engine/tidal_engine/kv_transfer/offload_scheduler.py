@@ -1,15 +1,24 @@
 """The host-memory offload connector, scheduler side: the host tier's map and its transfers.
 
-Saving policy: **write-through**. Each full block is queued for saving to host memory the
-step after it is computed (unless the host tier has it already), instead of on eviction
-from the device pool. Why: the copy then runs on a side stream while later steps compute,
-whereas a save-on-eviction copy sits on the critical path of the step that needs the
-block (its new owner's forward would have to wait for the copy out); and a block is copied
-once however often it is evicted and reloaded. The cost is host bandwidth for blocks that
-are never evicted, which the decode benchmark measures (docs/kv-offload.md).
+Saving policy (``save_policy``, flag ``--kv-offloading-save``):
 
-Each request's load is one transfer; each step's saves are one transfer. Device blocks in a
-transfer are held until its report, host slots are pinned (loads) or reserved (saves).
+- ``write-through`` (the default): each full block is queued for saving to host memory the
+  step after it is computed (unless the host tier has it already). The copy runs on a side
+  stream while later steps compute, and a block is copied once however often it is evicted
+  and reloaded; the cost is host bandwidth for blocks that are never evicted.
+- ``eviction``: a cached block is saved when the device pool evicts it for reuse. Nothing
+  is copied for blocks that are never evicted, but the copy sits on the critical path: the
+  forward of the step that reuses the block waits for it (``before_forward``), and a block
+  reloaded and evicted again is copied again only if the host tier dropped it meanwhile.
+docs/kv-offload.md gives the measured comparison.
+
+Each request's load is one transfer; each step's saves are one transfer (two under
+``eviction``: the evicted blocks, which the forward waits for). Device blocks a transfer
+reads are held until its report (an evicted block is not: its new owner's forward waits
+for the copy instead); host slots are pinned (loads) or reserved (saves).
+
+A load whose request computes its tail in the same step (``fuses_loads``) is flagged
+``before_forward``: the worker orders the forward after it on the device.
 """
 
 from __future__ import annotations
@@ -42,12 +51,16 @@ class OffloadStats:
     save_seconds: float = 0.0
 
 
+SAVE_POLICIES = ("write-through", "eviction")
+
+
 @dataclass
 class _Load:
     req_id: str
     block_ids: list[int]
     slots: list[int]
     issued: bool = False
+    before_forward: bool = False
 
 
 @dataclass
@@ -58,7 +71,13 @@ class _Save:
 
 
 class OffloadConnectorScheduler(KVConnectorScheduler):
-    def __init__(self, holder: BlockHolder, block_size: int, num_host_blocks: int) -> None:
+    fuses_loads = True  # the worker orders flagged loads before the forward; copies never fail
+
+    def __init__(self, holder: BlockHolder, block_size: int, num_host_blocks: int,
+                 save_policy: str = "write-through") -> None:
+        if save_policy not in SAVE_POLICIES:
+            raise ValueError(f"save_policy must be one of {SAVE_POLICIES}, got {save_policy!r}")
+        self.save_policy = save_policy
         self.holder = holder
         self.block_size = block_size
         self.pool = HostBlockPool(num_host_blocks)
@@ -67,7 +86,10 @@ class OffloadConnectorScheduler(KVConnectorScheduler):
         self._loads: dict[int, _Load] = {}  # transfer id → load (queued or in flight)
         self._load_of: dict[str, int] = {}  # request id → its load's transfer id
         self._queued_save = _Save()
-        self._saves: dict[int, _Save] = {}  # in flight
+        self._queued_evicted = _Save()  # under "eviction": blocks this step's forward overwrites
+        self._saves: dict[int, _Save] = {}  # in flight (blocks held, unless evicted)
+        self._evicted_saves: set[int] = set()  # transfer ids of evicted-block saves
+        holder.watch_evictions(self.block_evicted)  # a no-op under write-through
 
     # ---- lookups and loads ---------------------------------------------------------------
     def num_matched_tokens(self, request: Request, num_device_hit: int) -> int:
@@ -75,24 +97,36 @@ class OffloadConnectorScheduler(KVConnectorScheduler):
         start = num_device_hit // self.block_size
         return self.pool.lookup(hashes[start:]) * self.block_size
 
-    def start_load(self, request: Request, block_ids: list[int], keys: list[BlockHash]) -> None:
+    def start_load(self, request: Request, block_ids: list[int], keys: list[BlockHash],
+                   before_forward: bool = False) -> None:
         slots = self.pool.pin(keys)
         self.holder.hold_blocks(block_ids)
         transfer_id = next(self._ids)
-        self._loads[transfer_id] = _Load(request.request_id, list(block_ids), slots)
+        self._loads[transfer_id] = _Load(request.request_id, list(block_ids), slots, before_forward=before_forward)
         self._load_of[request.request_id] = transfer_id
 
-    # ---- saves (write-through) -----------------------------------------------------------
+    # ---- saves ---------------------------------------------------------------------------
     def blocks_computed(self, request: Request, blocks: list[tuple[int, BlockHash]]) -> None:
+        if self.save_policy != "write-through":
+            return
         save = self._queued_save
         for block_id, key in blocks:
-            slot = self.pool.reserve(key)
-            if slot is None:
-                continue  # already in host memory (or being saved), or the pool is all pinned
-            save.keys.append(key)
-            save.block_ids.append(block_id)
-            save.slots.append(slot)
-            self.holder.hold_blocks([block_id])
+            if self._queue(save, block_id, key):
+                self.holder.hold_blocks([block_id])
+
+    def block_evicted(self, block_id: int, key: BlockHash) -> None:
+        """The device pool is handing cached ``block_id`` to a new owner (``BlockPool.on_evict``)."""
+        if self.save_policy == "eviction":
+            self._queue(self._queued_evicted, block_id, key)
+
+    def _queue(self, save: _Save, block_id: int, key: BlockHash) -> bool:
+        slot = self.pool.reserve(key)
+        if slot is None:
+            return False  # already in host memory (or being saved), or the pool is all pinned
+        save.keys.append(key)
+        save.block_ids.append(block_id)
+        save.slots.append(slot)
+        return True
 
     # ---- the step's plan and its report --------------------------------------------------
     def request_finished(self, request: Request) -> None:
@@ -110,7 +144,15 @@ class OffloadConnectorScheduler(KVConnectorScheduler):
                  for tid, load in self._loads.items() if not load.issued]
         for transfer in loads:
             self._loads[transfer.transfer_id].issued = True
+        before = [t.transfer_id for t in loads if self._loads[t.transfer_id].before_forward]
         saves: list[BlockTransfer] = []
+        if self._queued_evicted.keys:  # first: a load may write a block this copy reads
+            transfer_id = next(self._ids)
+            save, self._queued_evicted = self._queued_evicted, _Save()
+            self._saves[transfer_id] = save
+            self._evicted_saves.add(transfer_id)
+            saves.append(BlockTransfer(transfer_id, save.block_ids, save.slots))
+            before.append(transfer_id)
         if self._queued_save.keys:
             transfer_id = next(self._ids)
             save, self._queued_save = self._queued_save, _Save()
@@ -118,7 +160,7 @@ class OffloadConnectorScheduler(KVConnectorScheduler):
             saves.append(BlockTransfer(transfer_id, save.block_ids, save.slots))
         if not loads and not saves:
             return None
-        return KVTransferPlan(loads=loads, saves=saves)
+        return KVTransferPlan(loads=loads, saves=saves, before_forward=before)
 
     def on_report(self, report: KVTransferReport) -> tuple[list[str], list[str]]:
         stats = self.offload_stats
@@ -133,7 +175,10 @@ class OffloadConnectorScheduler(KVConnectorScheduler):
             if save is not None:
                 for key in save.keys:
                     self.pool.commit(key) if ok else self.pool.abort(key)
-                self.holder.release_blocks(save.block_ids)
+                if transfer_id in self._evicted_saves:
+                    self._evicted_saves.discard(transfer_id)  # never held: the forward waited for it
+                else:
+                    self.holder.release_blocks(save.block_ids)
                 if ok:
                     stats.blocks_saved += len(save.keys)
                 continue
@@ -151,7 +196,7 @@ class OffloadConnectorScheduler(KVConnectorScheduler):
         return loaded, failed
 
     def has_pending(self) -> bool:
-        return bool(self._loads or self._saves or self._queued_save.keys)
+        return bool(self._loads or self._saves or self._queued_save.keys or self._queued_evicted.keys)
 
     def reset(self) -> bool:
         self.pool.clear()

@@ -10,7 +10,9 @@ KV dtype.
 On CUDA, loads run on one side stream and saves on another, each first waiting for the
 device work already queued (the forward that computed a saved block; the forward that last
 used a block a load overwrites), and each transfer ends with an event polled at step ends,
-so copies overlap the forwards of later steps. On CPU everything is synchronous (the CPU
+so copies overlap the forwards of later steps. Transfers the plan names ``before_forward``
+(a load fused with its request's tail, a save of an evicted block) make the compute stream
+wait for their event, so the step's forward runs after them. On CPU everything is synchronous (the CPU
 backend's "device" cache and the host pool are separate tensors, so the tier logic is the same).
 """
 
@@ -81,12 +83,20 @@ class OffloadConnectorWorker(KVConnectorWorker):
 
     # ---- starting transfers ----------------------------------------------------------------
     def start(self, plan: KVTransferPlan) -> None:
+        first = len(self._in_flight)
         if plan.saves:
             self._run(plan.saves, is_load=False)
         if plan.loads:
-            self._run(plan.loads, is_load=True)
+            # An evicted block's save reads what a load may now write: loads queue after saves.
+            self._run(plan.loads, is_load=True, after_saves=bool(plan.before_forward) and bool(plan.saves))
+        if plan.before_forward and self.is_cuda:  # the forward queued next waits for these on the device
+            wanted = set(plan.before_forward)
+            compute = torch.cuda.current_stream(self.device)
+            for item in list(self._in_flight)[first:]:
+                if item.transfer_id in wanted:
+                    compute.wait_event(item.done)
 
-    def _run(self, transfers: list[BlockTransfer], is_load: bool) -> None:
+    def _run(self, transfers: list[BlockTransfer], is_load: bool, after_saves: bool = False) -> None:
         stream = self._load_stream if is_load else self._save_stream
         if stream is None:
             for t in transfers:
@@ -96,6 +106,8 @@ class OffloadConnectorWorker(KVConnectorWorker):
                                                  None, time.perf_counter() - began))
             return
         stream.wait_stream(torch.cuda.current_stream(self.device))  # after the device work queued so far
+        if after_saves and self._save_stream is not None:
+            stream.wait_stream(self._save_stream)
         with torch.cuda.stream(stream):
             for t in transfers:
                 start = torch.cuda.Event(enable_timing=True)
