@@ -169,6 +169,7 @@ def bench_decode(on: LLM, off: LLM, vocab: int, n: int = 64) -> dict[str, Any]:
             llm = off if name == "off" else on
             if name != "off":
                 use_policy(on, POLICIES[name])
+            llm.engine.core.kv_cache_manager.reset_prefix_cache()  # no eviction: nothing cached to evict
             batch = prompts(rng, n, 128, vocab)
             before = llm.engine.get_stats()
             seconds, outs = timed(llm, batch, params)

@@ -216,6 +216,8 @@ def test_cuda_streams_serve_evicted_prefixes_exactly(model_dir: Path, async_sche
     """The GPU path: pinned pool, side-stream copies, events, forwards waiting for fused loads
     (one request at a time) and evicted blocks' saves; outputs equal a no-offload run."""
     options: dict[str, Any] = dict(device="cuda", async_scheduling=async_scheduling, enforce_eager=eager)
+    if not eager:
+        options["cuda_graph_sizes"] = [1, 2, 4, 8]
     plain = make_llm(model_dir, host_blocks=None, device_blocks=64, **options)
     llm = make_llm(model_dir, device_blocks=10, kv_offloading_save=save, **options)
     assert llm.engine.core.executor.collective_rpc("kv_connector_info")[0]["pinned"]
