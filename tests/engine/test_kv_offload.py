@@ -15,6 +15,8 @@ import pytest
 import torch
 
 from tidal_engine import LLM, SamplingParams
+from tidal_engine.kv_transfer.base import KVTransferPlan
+from tidal_engine.kv_transfer.offload_worker import OffloadConnectorWorker
 
 from tiny_models import make_tiny_model
 from tiny_tokenizer import EOS_ID, save_byte_tokenizer
@@ -207,6 +209,45 @@ def test_metrics_split_the_prefix_cache_by_tier(model_dir: Path, reference: dict
     assert read("tidal:prompt_tokens_computed_total") == 4 * 100 + 4
 
 
+def copy_late(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CPU copies that finish as late as CUDA's may: a transfer runs at the first poll after
+    its start, one per poll, unless its plan names it ``before_forward`` (then it runs before
+    the forward, as the device orders it). A request computing on blocks before their load
+    ran would read stale KV."""
+    late: list[tuple[OffloadConnectorWorker, Any, bool]] = []
+    poll = OffloadConnectorWorker.poll
+
+    def start(self: OffloadConnectorWorker, plan: KVTransferPlan) -> None:
+        for transfers, is_load in ((plan.saves, False), (plan.loads, True)):
+            for t in transfers:
+                if t.transfer_id in plan.before_forward:
+                    self._run([t], is_load)
+                else:
+                    late.append((self, t, is_load))
+
+    def poll_late(self: OffloadConnectorWorker, wait: bool = False) -> Any:
+        mine = [item for item in late if item[0] is self]
+        if mine:
+            late.remove(mine[0])
+            self._run([mine[0][1]], mine[0][2])
+        return poll(self, wait)
+
+    monkeypatch.setattr(OffloadConnectorWorker, "start", start)
+    monkeypatch.setattr(OffloadConnectorWorker, "poll", poll_late)
+
+
+@pytest.mark.parametrize(("async_scheduling", "save"), [(False, "write-through"), (True, "eviction")])
+def test_late_copies_are_waited_for(model_dir: Path, monkeypatch: pytest.MonkeyPatch, async_scheduling: bool,
+                                    save: str) -> None:
+    copy_late(monkeypatch)
+    llm = make_llm(model_dir, device_blocks=10, kv_offloading_save=save, async_scheduling=async_scheduling)
+    seeds = [0, 1, 2, 3, 0, 2, 1]
+    expected = tokens(reference_llm(model_dir), [prompt(s) for s in seeds])
+    assert [tokens(llm, [prompt(s)])[0] for s in seeds] == expected  # one at a time: fused loads
+    assert tokens(llm, [prompt(s) for s in seeds]) == expected  # all at once: loads wait for reports
+    assert llm.engine.get_stats().external_prefix_cache_hits >= 3 * 96
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize(("async_scheduling", "save", "eager"),
@@ -214,7 +255,8 @@ def test_metrics_split_the_prefix_cache_by_tier(model_dir: Path, reference: dict
 def test_cuda_streams_serve_evicted_prefixes_exactly(model_dir: Path, async_scheduling: bool, save: str,
                                                      eager: bool) -> None:
     """The GPU path: pinned pool, side-stream copies, events, forwards waiting for fused loads
-    (one request at a time) and evicted blocks' saves; outputs equal a no-offload run."""
+    (one request at a time) and evicted blocks' saves; outputs equal a no-offload run. Run it
+    compiled: ``TRITON_INTERPRET=0 pytest tests/engine/test_kv_offload.py -k cuda_streams``."""
     options: dict[str, Any] = dict(device="cuda", async_scheduling=async_scheduling, enforce_eager=eager)
     if not eager:
         options["cuda_graph_sizes"] = [1, 2, 4, 8]
