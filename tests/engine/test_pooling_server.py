@@ -241,3 +241,13 @@ def test_operator_reads_the_pooling_servers_metrics(tmp_path: Path) -> None:
         assert busy.activity is not None and busy.activity > 0  # the idle policy sees work happened
         http.post("/sleep?level=1")
         assert EngineMetrics.parse(http.get("/metrics").text).sleep_level == 1
+
+
+def test_the_launcher_prepares_a_pooling_api_server() -> None:
+    """`tidal-engine serve` loads the API server's tokenizer while the core loads the model: for
+    a pooling model, the pooling tokenizer (BERT has no generation architecture to resolve)."""
+    from tidal_engine.config import EngineConfig
+    from tidal_engine.server.launcher import prepare_api_server
+
+    prepared = prepare_api_server(EngineConfig(model=MINILM, runner="pooling"), ServerSettings())
+    assert prepared.tokenizer("hello there")["input_ids"][0] == prepared.tokenizer.cls_token_id

@@ -127,6 +127,10 @@ class PreparedAPIServer:
 
 
 def prepare_api_server(config: EngineConfig, settings: ServerSettings) -> PreparedAPIServer:
+    if config.runner == "pooling":  # embeddings and scores: the pooling model's tokenizer, no sampling
+        from tidal_engine.server.pooling import load_pooling_tokenizer
+
+        return PreparedAPIServer(load_pooling_tokenizer(config), settings)
     from tidal_engine.models.loader import load_tokenizer
 
     from tidal_engine.server.generation_config import load_sampling_defaults
@@ -146,13 +150,14 @@ def run_api_server(
     reuse_port: bool = False,
     prepared: PreparedAPIServer | None = None,
 ) -> int:
+    prepared = prepared or prepare_api_server(config, settings)
     if info.pooling is not None:  # a pooling core (embeddings, scores): its own API
         from tidal_engine.server.pooling import run_pooling_api_server
 
-        return run_pooling_api_server(config, settings, info, addresses, index, core_process, reuse_port)
+        return run_pooling_api_server(settings, info, addresses, index, prepared.tokenizer, core_process,
+                                      enable_sleep_mode=config.enable_sleep_mode, reuse_port=reuse_port)
     from tidal_engine.engine.async_llm import AsyncLLM
 
-    prepared = prepared or prepare_api_server(config, settings)
     settings = prepared.settings
     engine = AsyncLLM(prepared.tokenizer, info, addresses, index, enable_sleep_mode=config.enable_sleep_mode,
                       core_process=core_process)

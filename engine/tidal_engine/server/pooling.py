@@ -308,14 +308,19 @@ def serve_pooling(config: Any, settings: ServerSettings) -> int:
     return serve(dataclasses.replace(config, runner="pooling"), settings)
 
 
-def run_pooling_api_server(config: Any, settings: ServerSettings, info: CoreInfo, addresses: CoreAddresses,
-                           index: int, core_process: BaseProcess | None = None, reuse_port: bool = False) -> int:
+def load_pooling_tokenizer(config: Any) -> Any:
+    """The pooling model's tokenizer (``--tokenizer``, else the model folder's)."""
+    return AutoTokenizer.from_pretrained(config.tokenizer or str(resolve_model_path(config.model)))
+
+
+def run_pooling_api_server(settings: ServerSettings, info: CoreInfo, addresses: CoreAddresses, index: int,
+                           tokenizer: Any, core_process: BaseProcess | None = None, *, enable_sleep_mode: bool = False,
+                           reuse_port: bool = False) -> int:
     """The API server of a pooling core (launcher.run_api_server hands over here)."""
     from tidal_engine.server.app import run_server
 
     names = settings.served_model_names or [info.model_name]
-    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or str(resolve_model_path(config.model)))
-    client = PoolingClient(tokenizer, info, addresses, index, enable_sleep_mode=config.enable_sleep_mode,
+    client = PoolingClient(tokenizer, info, addresses, index, enable_sleep_mode=enable_sleep_mode,
                            core_process=core_process)
     return run_server(client, settings, app=build_pooling_app(client, settings), reuse_port=reuse_port,  # type: ignore[arg-type]
                       hint=pooling_curl_hint(settings, names[0], client.pooling_info.task))
