@@ -21,11 +21,14 @@ LLM = {"apiVersion": L.API_VERSION, "kind": L.KIND,
        "metadata": {"name": "chat", "namespace": "ml", "uid": "1234-abcd"}}
 
 
-def spec(**autoscaling: Any) -> LLMServiceSpec:
+def spec(engine_args: list[str] | None = None, **autoscaling: Any) -> LLMServiceSpec:
     a = {"minReplicas": 0, "maxReplicas": 5, "metric": "requestsWaiting", "target": 4,
          "scaleUpStabilizationSeconds": 15, "scaleDownDelaySeconds": 300, "mode": "hpa", **autoscaling}
-    return LLMServiceSpec.from_body({"model": {"uri": "bundled://smollm2-135m"}, "autoscaling": a,
-                                     "auth": {"apiKeySecretRef": {"name": "engine-key"}}})
+    body: dict[str, Any] = {"model": {"uri": "bundled://smollm2-135m"}, "autoscaling": a,
+                            "auth": {"apiKeySecretRef": {"name": "engine-key"}}}
+    if engine_args is not None:
+        body["engine"] = {"args": engine_args}
+    return LLMServiceSpec.from_body(body)
 
 
 OWNER = [{"apiVersion": L.API_VERSION, "kind": L.KIND, "name": "chat", "uid": "1234-abcd", "controller": True,
@@ -148,6 +151,15 @@ def test_keda_in_flight_sums_running_and_waiting() -> None:
     query = obj["spec"]["triggers"][0]["metadata"]["query"]
     assert "tidal:num_requests_running" in query and "tidal:num_requests_waiting" in query
     jsonschema.validate(obj, SCALED_OBJECT_SCHEMA)
+
+
+@pytest.mark.parametrize("args", [["--metrics-prefix", "vllm"], ["--metrics-prefix=vllm"]])
+@pytest.mark.parametrize("metric", ["requestsWaiting", "requestsInFlight", "kvCacheUsage"])
+def test_keda_queries_follow_the_engines_metrics_prefix(args: list[str], metric: str) -> None:
+    query = keda_scaled_object(LLM, spec(args, mode="keda", metric=metric))["spec"]["triggers"][0]["metadata"]["query"]
+    assert "vllm:" in query and "tidal:" not in query
+    default = keda_scaled_object(LLM, spec(mode="keda", metric=metric))["spec"]["triggers"][0]["metadata"]["query"]
+    assert default == query.replace("vllm:", "tidal:")
 
 
 def test_pod_monitor_selects_the_engines_and_uses_the_api_key() -> None:

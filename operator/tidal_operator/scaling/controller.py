@@ -553,11 +553,24 @@ PROMETHEUS_METRIC = {
     "requestsInFlight": "tidal:num_requests_in_flight",  # a recording rule: running + waiting
     "kvCacheUsage": "tidal:kv_cache_usage_perc",
 }
+# The adapter rule (docs/autoscaling.md) exposes either engine prefix under these names.
 ADAPTER_METRIC = {
     "requestsWaiting": "tidal_num_requests_waiting",
     "requestsInFlight": "tidal_num_requests_in_flight",
     "kvCacheUsage": "tidal_kv_cache_usage_perc",
 }
+
+
+def engine_metrics_prefix(engine_args: Sequence[str]) -> str:
+    """The prefix the engines' metric families carry: `vllm` when `spec.engine.args` pass
+    `--metrics-prefix vllm` (the last one wins, as in argparse), else `tidal`."""
+    prefix = "tidal"
+    for i, arg in enumerate(engine_args):
+        if arg == "--metrics-prefix" and i + 1 < len(engine_args):
+            prefix = engine_args[i + 1]
+        elif arg.startswith("--metrics-prefix="):
+            prefix = arg.split("=", 1)[1]
+    return "vllm" if prefix == "vllm" else "tidal"
 
 
 def _owner(llm: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -616,11 +629,12 @@ def keda_scaled_object(llm: Mapping[str, Any], spec: LLMServiceSpec, *,
         raise ValueError("spec.autoscaling is required")
     meta = llm["metadata"]
     namespace = meta.get("namespace") or "default"
-    series = PROMETHEUS_METRIC[a.metric]
+    prefix = engine_metrics_prefix(spec.engine.args)
     selector = f'namespace="{namespace}",{L.LLMSERVICE.replace(".", "_").replace("/", "_")}="{meta["name"]}"'
     if a.metric == "requestsInFlight":
-        query = (f"sum(tidal:num_requests_running{{{selector}}}) + sum(tidal:num_requests_waiting{{{selector}}})")
+        query = (f"sum({prefix}:num_requests_running{{{selector}}}) + sum({prefix}:num_requests_waiting{{{selector}}})")
     else:
+        series = PROMETHEUS_METRIC[a.metric].replace("tidal:", f"{prefix}:", 1)
         query = f"sum({series}{{{selector}}})"
     return {
         "apiVersion": "keda.sh/v1alpha1", "kind": "ScaledObject", "metadata": _meta(llm),
