@@ -147,6 +147,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             arm["replicas"].update(replicas)
             print(f"{label}: p50 {percentile(latencies, 50):.1f} ms, p99 {percentile(latencies, 99):.1f} ms, "
                   f"{dict(replicas)}", flush=True)
+    return summarize_arms(out)
+
+
+def summarize_arms(out: dict[str, Any]) -> dict[str, Any]:
+    """Each arm's latencies (ms) → requests, p50/p90/p99, mean; replica counts sorted."""
     for arm in out.values():
         lat = arm.pop("latencies")
         arm.update(requests=len(lat), p50_ms=round(percentile(lat, 50), 1), p90_ms=round(percentile(lat, 90), 1),

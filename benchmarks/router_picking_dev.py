@@ -33,7 +33,6 @@ import os
 import platform
 import shlex
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -49,7 +48,7 @@ sys.path.insert(0, str(ROOT / "operator"))
 
 import httpx  # noqa: E402
 
-from router_picking import KEY, background, commit, measured, percentile  # noqa: E402
+from router_picking import KEY, background, commit, measured, percentile, summarize_arms  # noqa: E402
 
 MODELS = {"bench-ll": "leastLoad", "bench-ph": "prefixHash"}
 
@@ -144,12 +143,7 @@ async def run(api: str, state: Path, args: argparse.Namespace) -> dict[str, Any]
         arm["replicas"].update(counts)
         print(f"{label}: p50 {percentile(latencies, 50):.1f} ms, p99 {percentile(latencies, 99):.1f} ms, "
               f"{dict(counts)}", flush=True)
-    for arm in out.values():
-        lat = arm.pop("latencies")
-        arm.update(requests=len(lat), p50_ms=round(percentile(lat, 50), 1), p90_ms=round(percentile(lat, 90), 1),
-                   p99_ms=round(percentile(lat, 99), 1), mean_ms=round(statistics.fmean(lat), 1),
-                   replicas=dict(sorted(arm["replicas"].items())))
-    return out
+    return summarize_arms(out)
 
 
 def main() -> None:
