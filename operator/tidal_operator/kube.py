@@ -265,6 +265,27 @@ class Kube:
     async def delete_scaled_object(self, namespace: str, name: str) -> None:
         await self.request("DELETE", f"/apis/keda.sh/v1alpha1/namespaces/{namespace}/scaledobjects/{name}")
 
+    # --- the ResourceClaim a GPU-share group shares (resource.k8s.io/v1, Dynamic Resource Allocation)
+
+    async def get_resource_claim(self, namespace: str, name: str) -> Obj | None:
+        """None if absent. Raises ApiError with `api_missing` when the cluster doesn't serve
+        resource.k8s.io/v1 (DRA off, or Kubernetes before 1.34)."""
+        try:
+            return await self.request("GET", f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaims/{name}")
+        except ApiError as exc:
+            if exc.not_found and not exc.api_missing:
+                return None
+            raise
+
+    async def create_resource_claim(self, namespace: str, body: Mapping[str, Any]) -> None:
+        await self.request("POST", f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaims", body=dict(body))
+
+    async def apply_resource_claim(self, namespace: str, name: str, body: Mapping[str, Any]) -> None:
+        """Server-side apply as the reconciler: its owners and labels follow the group."""
+        await self.request("PATCH", f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaims/{name}",
+                           body=dict(body), query={"fieldManager": MANAGER_RECONCILER, "force": "true"},
+                           content_type=APPLY_PATCH)
+
     # --- Secrets: existence only ---------------------------------------------------------------
 
     async def secret_exists(self, namespace: str, name: str) -> bool:

@@ -511,6 +511,7 @@ def test_operator_calls_found_in_code() -> None:
         ("policy", "poddisruptionbudgets", "patch"),
         *{("autoscaling", "horizontalpodautoscalers", v) for v in ("get", "create", "patch", "delete")},
         *{("keda.sh", "scaledobjects", v) for v in ("get", "create", "patch", "delete")}, ("", "services", "create"), ("", "services", "patch"),
+        *{("resource.k8s.io", "resourceclaims", v) for v in ("get", "create", "patch")},
         ("", "secrets", "get"), ("", "events", "create"),
         ("kopf.dev", "kopfpeerings", "get"), ("kopf.dev", "clusterkopfpeerings", "get"),
         ("coordination.k8s.io", "leases", "list"),
@@ -821,6 +822,9 @@ def test_operator_configuration_reaches_what_the_handlers_read() -> None:
     assert f"--demand-leases={NAMESPACE}" in router_args
     namespaced = operator_env(render(SCENARIOS["namespaced-all-on"]))
     assert namespaced[handlers.ENV_NAMESPACE]["value"] == "ml-models"
+    dra = operator_env(render({"operator": {"gpuShare": {"deviceClassName": "gpu.example.com"}}}))
+    assert handlers.config_from_env({k: v["value"] for k, v in dra.items() if "value" in v}
+                                    ).gpu_share_device_class == "gpu.example.com"
 
 
 # --- the values table ------------------------------------------------------------------------

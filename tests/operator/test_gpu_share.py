@@ -41,7 +41,6 @@ def test_share_defaults_to_engine_utilization_then_the_whole_device() -> None:
     ({"gpuShare": {"group": "g"}, "replicas": 2}, "InvalidGPUShare"),
     ({"gpuShare": {"group": "g"}, "autoscaling": {"maxReplicas": 1, "target": 1}}, "InvalidGPUShare"),
     ({"gpuShare": {"group": "g"}, "parallelism": {"tensor": 2}}, "InvalidGPUShare"),
-    ({"gpuShare": {"group": "g"}, "engine": {"resources": {"gpu": 1}}}, "GPUShareNotSupported"),
 ])
 def test_bad_gpu_share_specs_are_refused_with_a_reason(bad: dict[str, Any], reason: str) -> None:
     assert reason in reasons(spec(**bad))

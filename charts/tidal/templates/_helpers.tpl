@@ -157,6 +157,11 @@ Its own calls are the Kube class (operator/tidal_operator/kube.py); kopf adds wa
 - apiGroups: ["keda.sh"]
   resources: ["scaledobjects"]
   verbs: ["get", "create", "patch", "delete"]
+# A GPU-share group's one shared ResourceClaim (its owners kept in line by server-side apply;
+# deleted by garbage collection with the group's last member, not by the operator).
+- apiGroups: ["resource.k8s.io"]
+  resources: ["resourceclaims"]
+  verbs: ["get", "create", "patch"]
 # Read-only: that referenced Secrets exist, and the engine key the autoscaler scrapes /metrics with
 # (get); the tenants' client-key Secrets, found by their label tidal.dev/client-keys=true (list),
 # which it copies for the router into the release namespace.

@@ -308,3 +308,6 @@ class OperatorConfig:
     # Seconds the preStop hook waits so endpoints and the router stop sending before SIGTERM.
     pre_stop_sleep_seconds: int = 5
     run_as_user: int = 1000
+    # The DeviceClass of the one device a GPU-share group's ResourceClaim asks for
+    # (reconcile/gpu_claim.py; NVIDIA's DRA driver names its class gpu.nvidia.com).
+    gpu_share_device_class: str = "gpu.nvidia.com"

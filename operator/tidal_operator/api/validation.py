@@ -312,12 +312,6 @@ def _check_gpu_share(spec: LLMServiceSpec) -> list[ValidationProblem]:
     if spec.parallelism.world_size > 1:
         out.append(ValidationProblem("spec.gpuShare", "a member of a GPU-share group runs on one device: tensor x "
                                      "pipeline must be 1", "InvalidGPUShare"))
-    if (spec.engine.resources.gpu or 0) > 0:
-        # The shared ResourceClaim that puts every member on the same GPU is designed, not built
-        # (docs/gpu-sharing.md): with a GPU each member's Pod would get a GPU of its own.
-        out.append(ValidationProblem("spec.gpuShare", "GPU-share groups run on CPU only in this version: the "
-                                     "shared ResourceClaim that would put every member on one GPU is not built yet "
-                                     "(docs/gpu-sharing.md)", "GPUShareNotSupported"))
     return out
 
 

@@ -14,6 +14,7 @@ ENV_FILE_ROOTS = "TIDAL_ALLOWED_FILE_ROOTS"
 ENV_NAMESPACE = "TIDAL_NAMESPACE"
 ENV_RESYNC = "TIDAL_RESYNC_SECONDS"
 ENV_MAX_GPUS_PER_NODE = "TIDAL_MAX_GPUS_PER_NODE"
+ENV_GPU_SHARE_DEVICE_CLASS = "TIDAL_GPU_SHARE_DEVICE_CLASS"
 ENV_KUBECONFIG = "KUBECONFIG"
 
 
@@ -31,6 +32,7 @@ def config_from_env(env: Mapping[str, str] | None = None) -> OperatorConfig:
         allowed_file_roots=_csv(env.get(ENV_FILE_ROOTS)) or base.allowed_file_roots,
         namespace=env.get(ENV_NAMESPACE) or None,
         max_gpus_per_node=int(env.get(ENV_MAX_GPUS_PER_NODE) or base.max_gpus_per_node),
+        gpu_share_device_class=env.get(ENV_GPU_SHARE_DEVICE_CLASS) or base.gpu_share_device_class,
     )
 
 

@@ -26,12 +26,12 @@ class AutoscalerState:
     message: str
 
 
-def _covers(have: Any, want: Any) -> bool:
+def covers(have: Any, want: Any) -> bool:
     """Whether `have` holds everything `want` sets (the API server may add defaults)."""
     if isinstance(want, Mapping):
-        return isinstance(have, Mapping) and all(_covers(have.get(k), v) for k, v in want.items())
+        return isinstance(have, Mapping) and all(covers(have.get(k), v) for k, v in want.items())
     if isinstance(want, list):
-        return isinstance(have, list) and len(have) == len(want) and all(_covers(h, w) for h, w in zip(have, want))
+        return isinstance(have, list) and len(have) == len(want) and all(covers(h, w) for h, w in zip(have, want))
     return have == want
 
 
@@ -84,7 +84,7 @@ async def _ensure(kube: Kube, kind: str, have: Obj | None, want: Obj, uid: str, 
     elif not owned_by(have, uid):
         return AutoscalerState(False, "AutoscalerConflict", f"{kind} {name} exists and is not owned by this "
                                "LLMService: it is left alone; delete or rename it")
-    elif not _covers(have.get("spec"), want["spec"]):
+    elif not covers(have.get("spec"), want["spec"]):
         await patch(namespace, name, {"spec": want["spec"]})
     a = want["spec"]
     low, high = a.get("minReplicas", a.get("minReplicaCount")), a.get("maxReplicas", a.get("maxReplicaCount"))

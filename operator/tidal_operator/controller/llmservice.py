@@ -26,6 +26,8 @@ from ..secret_refs import referenced_secrets
 from .external_autoscaler import CONDITION as EXTERNAL_AUTOSCALER
 from .external_autoscaler import ensure_external_autoscaler
 from .companions import ensure_disruption_budget, ensure_service_for
+from .gpu_claim import CONDITION as GPU_SHARE
+from .gpu_claim import ensure_gpu_claim
 from .owned_pods import adopt_existing, owned_pods
 from .ownership import replica_index
 
@@ -44,7 +46,7 @@ OWNED_STATUS_FIELDS = ("observedGeneration", "phase", "replicas", "readyReplicas
 
 
 # The conditions the reconcile writes (and owns, as its field manager).
-RECONCILE_CONDITIONS = (*CONDITION_TYPES, EXTERNAL_AUTOSCALER)
+RECONCILE_CONDITIONS = (*CONDITION_TYPES, EXTERNAL_AUTOSCALER, GPU_SHARE)
 
 
 @dataclass(frozen=True)
@@ -136,6 +138,9 @@ async def reconcile(kube: Kube, config: OperatorConfig, namespace: str, name: st
     # 2c. Modes hpa and keda: the HPA or ScaledObject that writes spec.replicas.
     autoscaler = await ensure_external_autoscaler(kube, llm, spec)
 
+    # 2d. A GPU-share member that asks for a GPU: the group's shared ResourceClaim.
+    claim = await ensure_gpu_claim(kube, config, llm, spec, others)
+
     # 3. Drift: restore operator-owned labels/annotations; a hand-edited container is replaced.
     hash_ = spec_hash(spec, config)
     views: list[PodView] = []
@@ -164,7 +169,8 @@ async def reconcile(kube: Kube, config: OperatorConfig, namespace: str, name: st
     uids = {p["metadata"]["name"]: p["metadata"].get("uid") for p in pods}
     deleted = [n for n in plan.delete if await kube.delete_pod(namespace, n, uids.get(n))]
     created, adopted = [], []
-    for c in plan.create:
+    # Without its claim a member's Pod would not get the group's device: it waits.
+    for c in plan.create if claim is None or claim.ok else ():
         if await kube.create_pod(namespace, pod_manifest(llm, c.index, config)):
             created.append(c.name)
         elif await adopt_existing(kube, llm, c.name):
@@ -183,6 +189,9 @@ async def reconcile(kube: Kube, config: OperatorConfig, namespace: str, name: st
     if autoscaler is not None:
         status["conditions"].append(extra_condition(old_status, EXTERNAL_AUTOSCALER, autoscaler.ok, autoscaler.reason,
                                                     autoscaler.message, generation, now))
+    if claim is not None:
+        status["conditions"].append(extra_condition(old_status, GPU_SHARE, claim.ok, claim.reason, claim.message,
+                                                    generation, now))
     builtin = spec.autoscaling is not None and spec.autoscaling.mode == "builtin"
     applied = status_to_apply(status, old_status,
                               autoscaler_owns_desired=builtin and desired_replicas_fn is not None)
@@ -192,7 +201,7 @@ async def reconcile(kube: Kube, config: OperatorConfig, namespace: str, name: st
     if degraded.get("status") == "True" and (was_degraded.get("status") != "True"
                                               or was_degraded.get("reason") != degraded.get("reason")):
         await kube.post_event(llm, type_="Warning", reason=str(degraded.get("reason")), message=str(degraded.get("message")))
-    converged = plan.empty and status.get("phase") == "Ready"
+    converged = plan.empty and status.get("phase") == "Ready" and (claim is None or claim.ok)
     return Outcome(valid=True, converged=converged, created=tuple(created), deleted=tuple(deleted),
                    repaired=tuple(repaired), adopted=tuple(adopted))
 

@@ -67,6 +67,8 @@ def builtin_types() -> list[ResourceType]:
           True, ["hpa"], ["all"], has_status=True),
         R("policy", ["v1"], "poddisruptionbudgets", "poddisruptionbudget", "PodDisruptionBudget", True, ["pdb"],
           has_status=True),
+        # Stored only: no DRA scheduler or driver allocates it (docs/dev-control-plane.md).
+        R("resource.k8s.io", ["v1"], "resourceclaims", "resourceclaim", "ResourceClaim", True, has_status=True),
         R("apiextensions.k8s.io", ["v1"], "customresourcedefinitions", "customresourcedefinition",
           "CustomResourceDefinition", False, ["crd", "crds"], ["api-extensions"], has_status=True),
     ]

@@ -16,6 +16,7 @@ from kubernetes.utils import parse_quantity
 
 from .. import labels as L
 from ..api.types import LLMServiceSpec, OperatorConfig
+from .gpu_claim import POD_CLAIM, pod_resource_claims, uses_shared_claim
 
 HTTP_PORT_NAME = "http"
 CONTAINER_NAME = "engine"
@@ -260,6 +261,8 @@ def _resources(spec: LLMServiceSpec) -> dict[str, Any]:
     # Memory limit = request: an engine that outgrows it should be OOM-killed and reported,
     # not take the node's memory. No CPU limit: throttling only adds latency.
     limits: dict[str, Any] = {"memory": memory}
+    if uses_shared_claim(spec):  # the group's device comes from its ResourceClaim, not a GPU of its own
+        return {"requests": requests, "limits": limits, "claims": [{"name": POD_CLAIM}]}
     if spec.gpu_count:
         limits[r.gpu_resource_name] = str(spec.gpu_count)
         requests[r.gpu_resource_name] = str(spec.gpu_count)
@@ -338,6 +341,8 @@ def pod_manifest(llm: Mapping[str, Any], index: int, config: OperatorConfig) -> 
                             "fsGroup": config.run_as_user, "seccompProfile": {"type": "RuntimeDefault"}},
         "volumes": volumes + [dict(v) for v in pt.volumes],
     }
+    if claims := pod_resource_claims(spec):
+        pod_spec["resourceClaims"] = claims
     if pt.node_selector:
         pod_spec["nodeSelector"] = dict(pt.node_selector)
     if pt.tolerations:
