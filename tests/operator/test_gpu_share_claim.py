@@ -126,3 +126,18 @@ async def test_without_the_resource_api_the_member_waits_with_a_condition(
     assert await kube.list_pods(NS, L.selector_string("a")) == []
     condition = gpu_share_condition(await kube.get_llmservice(NS, "a"))  # type: ignore[arg-type]
     assert (condition["status"], condition["reason"]) == ("False", "ResourceClaimAPINotServed")
+
+
+async def test_a_claim_of_that_name_made_by_someone_else_is_left_alone(cluster: tuple[Kube, ApiServerHandle]) -> None:
+    kube, _ = cluster
+    theirs = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+              "metadata": {"name": claim_name("pair"), "namespace": NS},
+              "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "x"}}]}}}
+    await kube.create_resource_claim(NS, theirs)
+    await create(kube, member("a"))
+    outcome = await H.reconcile(kube, CONFIG, NS, "a")
+    assert outcome is not None and not outcome.created
+    condition = gpu_share_condition(await kube.get_llmservice(NS, "a"))  # type: ignore[arg-type]
+    assert (condition["status"], condition["reason"]) == ("False", "ResourceClaimConflict")
+    kept = await kube.get_resource_claim(NS, claim_name("pair"))
+    assert "ownerReferences" not in kept["metadata"]  # type: ignore[index]
