@@ -126,9 +126,3 @@ def test_spec_decode_counters_in_metrics(spec_llm: LLM) -> None:
         stats.spec_decode_num_accepted_tokens
     assert metric_value(text, "tidal:spec_decode_num_accepted_tokens_per_pos_total", model_name="m", position=0) == \
         stats.spec_decode_num_accepted_tokens_per_pos[0]
-
-
-def test_draft_model_method_is_refused_for_now(model_dir: Path) -> None:
-    with pytest.raises(ValueError, match="only the ngram"):
-        LLM(str(model_dir), dtype="float32", device="cpu", max_model_len=256,
-            speculative_config={"model": "x", "num_speculative_tokens": 2})

@@ -46,7 +46,7 @@ from tidal_engine.lora import AdapterInfo, LoRAAdapter, LoRAError, LoRAManager
 from tidal_engine.models.loader import load_tokenizer, resolve_dtype, resolve_model
 from tidal_engine.sampling_params import SamplingParams
 from tidal_engine.spec_decode.config import SpeculativeConfig
-from tidal_engine.spec_decode.ngram_proposer import NgramProposer
+from tidal_engine.spec_decode.proposer import Proposer, build_proposer
 from tidal_engine.structured import GrammarCompilerCache, GrammarMatcher
 from tidal_engine.structured.reasoning_gate import ReasoningGate, reasoning_ended
 from tidal_engine.structured.token_rules import CombinedMatcher, TokenRules, bad_word_token_ids
@@ -164,6 +164,15 @@ class EngineCore:
             config = dataclasses.replace(config, max_num_batched_tokens=default_max_num_batched_tokens(
                 self.device.type == "cuda", config.enable_chunked_prefill, self.max_model_len))
         self.config = config
+        # Before the workers start: a bad draft model fails fast, and a GPU draft's memory is
+        # already taken when the workers read what is free.
+        self.speculative = SpeculativeConfig.parse(config.speculative_config) if config.speculative_config else None
+        self.proposer: Proposer | None = None
+        if self.speculative is not None:
+            self.proposer = build_proposer(
+                self.speculative, target_vocab_size=self.vocab_size, target_tokenizer=self.tokenizer,
+                dtype=self.dtype, device=self.device, block_size=config.block_size,
+                max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len)
         started = time.perf_counter()
         self.executor = executor or build_executor(config, self.source, self.device, self.dtype)
         self.startup_seconds["executor"] = time.perf_counter() - started  # the workers' start-up
@@ -192,14 +201,7 @@ class EngineCore:
         self._grammars: GrammarCompilerCache | None = None  # built on the first structured request
         self._state_lock = threading.Lock()  # sleep/wake/reset from other threads (offline users)
         self.async_scheduling = config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
-        self.speculative = SpeculativeConfig.parse(config.speculative_config) if config.speculative_config else None
-        self.proposer: NgramProposer | None = None
-        if self.speculative is not None:
-            if self.speculative.method != "ngram":
-                self.executor.shutdown()
-                raise ValueError("only the ngram speculative method is implemented so far")
-            s = self.speculative
-            self.proposer = NgramProposer(s.num_speculative_tokens, s.prompt_lookup_min, s.prompt_lookup_max)
+        if self.proposer is not None:
             self.async_scheduling = False  # the proposer reads every token on the host
         # vLLM's spec-decode counters: drafts (rows that verified), draft tokens, accepted tokens, per position.
         self.spec_num_drafts = 0
@@ -406,7 +408,8 @@ class EngineCore:
                 caps.append(cap)
         if not rows:
             return
-        drafts = self.proposer.propose([np.asarray(r.all_token_ids, dtype=np.int64) for r in rows], caps)
+        drafts = self.proposer.propose([np.asarray(r.all_token_ids, dtype=np.int64) for r in rows], caps,
+                                       [r.request_id for r in rows])
         for req, draft in zip(rows, drafts):
             req.spec_token_ids = draft.tolist()
 
@@ -607,6 +610,8 @@ class EngineCore:
         rid = sample.request.request_id
         self.scheduler.finish_request(rid, status)
         self._samples.pop(rid, None)
+        if self.proposer is not None:
+            self.proposer.release(rid)
         if self._blocks_sent.pop(rid, None) is not None:
             self._forget.append(rid)
         self._resumed.discard(rid)

@@ -24,7 +24,11 @@ class NgramProposer:
         self.min_n = prompt_lookup_min
         self.max_n = prompt_lookup_max
 
-    def propose(self, token_ids: Sequence[np.ndarray], max_drafts: Sequence[int] | None = None) -> list[np.ndarray]:
+    def release(self, request_id: str) -> None:
+        """Stateless: nothing to drop."""
+
+    def propose(self, token_ids: Sequence[np.ndarray], max_drafts: Sequence[int] | None = None,
+                request_ids: Sequence[str] | None = None) -> list[np.ndarray]:
         batch = len(token_ids)
         if batch == 0:
             return []
