@@ -153,7 +153,8 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="admit and preempt by arrival (fcfs) or by each request's priority, lower first")
     sched.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON",
                        help='speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
-                            '"prompt_lookup_max": 3} (docs/speculative-decoding.md)')
+                            '"prompt_lookup_max": 3} or a draft model sharing the tokenizer: {"model": '
+                            '"PATH_OR_ALIAS", "num_speculative_tokens": 4} (docs/speculative-decoding.md)')
     sched.add_argument("--enable-sleep-mode", action="store_true",
                        help="allow /sleep and /wake_up (free device memory on demand)")
     sched.add_argument("--kv-offloading-size", type=float, default=None,

@@ -149,7 +149,7 @@ class FeaturesSpec(_Model):
 
 class SpeculativeSpec(_Model):
     """Speculative decoding (docs/speculative-decoding.md) → the engine's --speculative-config.
-    Only n-gram (prompt lookup) today; the engine has no draft-model proposer yet."""
+    Only n-gram (prompt lookup) here today; the engine's draft-model proposer has no field yet."""
 
     method: Literal["ngram"] = "ngram"
     num_speculative_tokens: int = Field(default=4, ge=1, le=16)
