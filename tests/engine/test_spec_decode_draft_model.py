@@ -69,7 +69,7 @@ def test_target_as_its_own_draft_accepts_every_draft(folders: dict[str, Path], r
 def test_a_different_draft_gives_mixed_acceptance_and_the_same_tokens(
         folders: dict[str, Path], reference: list[list[int]]) -> None:
     llm = make_llm(folders["target"], folders["near"])
-    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:4], GREEDY)] == reference[:4]
     stats = llm.engine.get_stats()
     assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
     # Sampled rows verify too (exactness with one-hot drafts: test_spec_decode.py's chi-square tests).
