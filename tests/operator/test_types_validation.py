@@ -266,6 +266,31 @@ def test_speculative_ngram_becomes_the_engine_flag() -> None:
     assert "--speculative-config" not in engine_args({"model": {"uri": "bundled://smollm2-135m"}}, "smollm2")
 
 
+def test_speculative_draft_model_becomes_the_engine_flag() -> None:
+    import json
+
+    from tidal_operator.reconcile.manifests import engine_args
+
+    spec = {"model": {"uri": "file:///models/big"},
+            "speculative": {"method": "draft_model", "numSpeculativeTokens": 2, "draftModelUri": "bundled://smollm2-135m"}}
+    assert problems(spec) == []
+    argv = engine_args(spec, "big")
+    assert json.loads(argv[argv.index("--speculative-config") + 1]) == {"model": "smollm2-135m",
+                                                                         "num_speculative_tokens": 2}
+
+
+@pytest.mark.parametrize("speculative, message", [
+    ({"method": "draft_model"}, "needs a draft model URI"),
+    ({"method": "draft_model", "draftModelUri": "s3://bucket/draft"}, "unsupported URI scheme"),
+    ({"method": "draft_model", "draftModelUri": "bundled://nope"}, "not a bundled model"),
+    ({"method": "draft_model", "draftModelUri": "hf://org/draft"}, "bundled://<name> or file:///path"),
+    ({"method": "ngram", "draftModelUri": "bundled://smollm2-135m"}, "only used with method draft_model"),
+])
+def test_speculative_bad_draft_models_are_problems(speculative: dict, message: str) -> None:
+    p = only({"model": {"uri": "bundled://smollm2-135m"}, "speculative": speculative})
+    assert p.field == "spec.speculative.draftModelUri" and message in p.message
+
+
 def test_speculative_bad_values_are_problems() -> None:
     p = only({"model": {"uri": "bundled://smollm2-135m"},
               "speculative": {"promptLookupMin": 5, "promptLookupMax": 2}})

@@ -148,15 +148,20 @@ class FeaturesSpec(_Model):
 
 
 class SpeculativeSpec(_Model):
-    """Speculative decoding (docs/speculative-decoding.md) → the engine's --speculative-config.
-    Only n-gram (prompt lookup) here today; the engine's draft-model proposer has no field yet."""
+    """Speculative decoding (docs/speculative-decoding.md) → the engine's --speculative-config:
+    n-gram prompt lookup, or a draft model (a model URI, checked as spec.model.uri is) that
+    shares the target's tokenizer."""
 
-    method: Literal["ngram"] = "ngram"
+    method: Literal["ngram", "draft_model"] = "ngram"
     num_speculative_tokens: int = Field(default=4, ge=1, le=16)
     prompt_lookup_min: int = Field(default=1, ge=1)
     prompt_lookup_max: int = Field(default=3, ge=1)
+    draft_model_uri: str | None = None  # method draft_model: bundled://<name> or file:///path
 
-    def engine_config(self) -> dict[str, Any]:
+    def engine_config(self, draft_model_arg: str | None = None) -> dict[str, Any]:
+        """The flag's JSON; ``draft_model_arg``: the draft's path or alias in the Pod."""
+        if self.method == "draft_model":
+            return {"model": draft_model_arg, "num_speculative_tokens": self.num_speculative_tokens}
         return {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens,
                 "prompt_lookup_min": self.prompt_lookup_min, "prompt_lookup_max": self.prompt_lookup_max}
 

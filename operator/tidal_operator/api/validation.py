@@ -226,13 +226,29 @@ def _check_rollout(spec: LLMServiceSpec) -> list[ValidationProblem]:
     return []
 
 
+DRAFT_URI_SCHEMES = ("bundled://", "file://")  # a path or alias the engine reads as the target's, no volume
+
+
 def _check_speculative(spec: LLMServiceSpec) -> list[ValidationProblem]:
     s = spec.speculative
-    if s is None or s.prompt_lookup_min <= s.prompt_lookup_max:
+    if s is None:
         return []
-    return [ValidationProblem("spec.speculative.promptLookupMax",
-                              f"({s.prompt_lookup_max}) must be >= promptLookupMin ({s.prompt_lookup_min})",
-                              "InvalidSpeculative")]
+    field = "spec.speculative.draftModelUri"
+    if s.method == "ngram":
+        if s.draft_model_uri is not None:
+            return [ValidationProblem(field, "is only used with method draft_model", "InvalidSpeculative")]
+        if s.prompt_lookup_min > s.prompt_lookup_max:
+            return [ValidationProblem("spec.speculative.promptLookupMax",
+                                      f"({s.prompt_lookup_max}) must be >= promptLookupMin ({s.prompt_lookup_min})",
+                                      "InvalidSpeculative")]
+        return []
+    if not s.draft_model_uri:
+        return [ValidationProblem(field, "method draft_model needs a draft model URI", "InvalidSpeculative")]
+    problem = check_model_uri(s.draft_model_uri, field)  # the target model's own checks
+    if problem is None and not s.draft_model_uri.startswith(DRAFT_URI_SCHEMES):
+        problem = ValidationProblem(field, "a draft model is given as bundled://<name> or file:///path for now "
+                                    "(hf:// and pvc:// drafts are not supported yet)", "InvalidSpeculative")
+    return [problem] if problem else []
 
 
 def _check_sleep(spec: LLMServiceSpec) -> list[ValidationProblem]:

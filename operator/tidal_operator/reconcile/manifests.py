@@ -151,7 +151,9 @@ def engine_args(spec: LLMServiceSpec | Mapping[str, Any], name: str, config: Ope
     if s.sleep is not None or s.gpu_share is not None:  # a GPU-share member sleeps to make room
         argv.append("--enable-sleep-mode")
     if s.speculative is not None:
-        argv += ["--speculative-config", json.dumps(s.speculative.engine_config(), separators=(",", ":"))]
+        draft = s.speculative.draft_model_uri
+        draft_arg = draft.split("://", 1)[1] if draft else None  # bundled:// → alias, file:// → path
+        argv += ["--speculative-config", json.dumps(s.speculative.engine_config(draft_arg), separators=(",", ":"))]
     return argv + list(e.args)
 
 
