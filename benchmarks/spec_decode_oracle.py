@@ -32,7 +32,11 @@ class OracleProposer:
         self.accept = accept
         self.rng = np.random.default_rng(seed)
 
-    def propose(self, token_ids: list[np.ndarray], max_drafts: list[int]) -> list[np.ndarray]:
+    def release(self, request_id: str) -> None:
+        """Stateless (the Proposer interface's hook for per-request state)."""
+
+    def propose(self, token_ids: list[np.ndarray], max_drafts: list[int],
+                request_ids: list[str] | None = None) -> list[np.ndarray]:
         out = []
         for tokens, cap in zip(token_ids, max_drafts):
             drafts: list[int] = []

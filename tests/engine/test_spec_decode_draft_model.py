@@ -110,3 +110,22 @@ def test_a_bad_draft_model_is_refused(folders: dict[str, Path], draft: str, mess
     path = folders.get(draft, Path(draft))
     with pytest.raises(ValueError, match=message):
         make_llm(folders["target"], path)
+
+
+def test_the_draft_pool_rolls_back_by_prefix_and_evicts_idle_states() -> None:
+    import numpy as np
+
+    from tidal_engine.spec_decode.draft_kv import DraftKVPool
+
+    pool = DraftKVPool(num_layers=1, num_blocks=5, block_size=4, num_kv_heads=1, head_dim=2,
+                       dtype=torch.float32, device=torch.device("cpu"))
+    state = pool.state("a")
+    state.tokens = [1, 2, 3, 7, 8]  # 7 and 8 were drafts; the target emitted 4 after 3
+    assert state.rollback_to(np.array([1, 2, 3, 4, 5])) == 3 and state.tokens == [1, 2, 3]
+    assert state.rollback_to(np.array([1, 2, 3])) == 2  # the last token is always fed again
+    assert pool.reserve("a", 9, keep={"a"}) and len(state.blocks) == 3 and pool.num_free_blocks == 1
+    pool.state("b")
+    assert not pool.reserve("b", 8, keep={"a", "b"})  # "a" is in the batch: not evicted
+    assert pool.reserve("b", 8, keep={"b"}) and pool.num_free_blocks == 2  # "a" was idle: evicted
+    pool.release("b")
+    assert pool.num_free_blocks == 4
