@@ -41,6 +41,7 @@ class DraftModelProposer:
             raise ValueError(f"the draft model {model!r} has a different tokenizer vocabulary from the target's: "
                              "a draft model must share the target's tokenizer")
         self.num_speculative_tokens = num_speculative_tokens
+        self.max_positions = source.arch_config.max_position_embeddings  # the draft's context may be shorter
         self.model = load_model(source, dtype, device)
         set_attention_backend(self.model, choose_attention_backend(device))
         spec = kv_cache_spec(self.model, block_size, dtype)
@@ -61,7 +62,7 @@ class DraftModelProposer:
         caps: list[int] = []
         keep = set(request_ids)
         for i, (seq, cap, rid) in enumerate(zip(token_ids, max_drafts, request_ids)):
-            cap = min(int(cap), self.num_speculative_tokens)
+            cap = min(int(cap), self.num_speculative_tokens, self.max_positions + 1 - len(seq))
             if cap <= 0:
                 continue
             state = self.pool.state(rid)
