@@ -1,6 +1,6 @@
 """The draft-model proposer on tiny random models: greedy output equals decoding without
 speculation (the target as its own draft accepts every draft; a perturbed copy accepts some),
-sampled rows run, preemption and aborts mid-speculation leave nothing behind, bad drafts are
+sampled rows keep the target's distribution (chi-square), preemption and aborts mid-speculation leave nothing behind, bad drafts are
 refused clearly."""
 
 from __future__ import annotations
@@ -72,12 +72,52 @@ def test_a_different_draft_gives_mixed_acceptance_and_the_same_tokens(
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:4], GREEDY)] == reference[:4]
     stats = llm.engine.get_stats()
     assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
-    # Sampled rows verify too (exactness with one-hot drafts: test_spec_decode.py's chi-square tests).
+    # Sampled rows verify too (their distribution: test_sampled_rows_keep_the_target_distribution).
     before = stats.spec_decode_num_drafts
     sampled = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=8, ignore_eos=True)
     outputs = llm.generate(PROMPTS[:4], sampled)
     assert all(len(o.outputs[0].token_ids) == 8 for o in outputs)
     assert llm.engine.get_stats().spec_decode_num_drafts > before
+
+
+def chi_square_critical_999(df: int) -> float:
+    """The chi-square critical value at p = 0.001 (Wilson-Hilferty; within 1% for df >= 3)."""
+    h = 2 / (9 * df)
+    return df * (1 - h + 3.090 * h ** 0.5) ** 3
+
+
+def test_sampled_rows_keep_the_target_distribution(folders: dict[str, Path]) -> None:
+    """(t1, t2) of top-k = 4 sampling: t2 comes from a verify step (one draft, or its rejection),
+    and the pairs follow the target's exact joint distribution (chi-square, p = 0.001, fixed seed)."""
+    from transformers import AutoModelForCausalLM
+
+    prompt, samples, top_k = [5, 17, 42, 99], 1200, 4
+    hf = AutoModelForCausalLM.from_pretrained(folders["target"], dtype=torch.float32).eval()
+
+    def dist(ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids])).logits[0, -1]
+        top = logits.topk(top_k)
+        return torch.zeros_like(logits).index_put_((top.indices,), top.values.softmax(0))
+
+    p1 = dist(prompt)
+    expected = {(a, b): samples * float(p1[a]) * float(pb)
+                for a in p1.nonzero().flatten().tolist() for b, pb in enumerate(dist(prompt + [a])) if pb > 0}
+    llm = make_llm(folders["target"], folders["near"], k=2)
+    params = SamplingParams(temperature=1.0, top_k=top_k, max_tokens=3, ignore_eos=True)
+    outputs = llm.generate([list(prompt) for _ in range(samples)], params)
+    stats = llm.engine.get_stats()
+    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+    counts: dict[tuple[int, int], int] = {}
+    for o in outputs:
+        pair = tuple(o.outputs[0].token_ids[:2])
+        counts[pair] = counts.get(pair, 0) + 1
+    assert set(counts) <= set(expected)  # nothing outside the top-k support
+    big = [c for c, e in expected.items() if e >= 5]  # cells with few expected samples pooled into one
+    observed = [counts.get(c, 0) for c in big] + [samples - sum(counts.get(c, 0) for c in big)]
+    wanted = [expected[c] for c in big] + [samples - sum(expected[c] for c in big)]
+    stat = sum((o - e) ** 2 / e for o, e in zip(observed, wanted) if e > 0)
+    assert stat < chi_square_critical_999(len(big)), (stat, len(big))
 
 
 def test_preemption_and_aborts_mid_speculation(folders: dict[str, Path], reference: list[list[int]]) -> None:
