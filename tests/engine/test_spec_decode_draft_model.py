@@ -66,6 +66,20 @@ def test_target_as_its_own_draft_accepts_every_draft(folders: dict[str, Path], r
     assert draft_pool_is_empty(llm)  # finished requests gave their draft blocks back
 
 
+def test_stop_strings_n_and_max_tokens_inside_accepted_runs(folders: dict[str, Path],
+                                                             reference: list[list[int]]) -> None:
+    plain, spec = make_llm(folders["target"], None), make_llm(folders["target"], folders["target"])
+    stop = plain.tokenizer.decode(reference[1][9:11])  # ends the second prompt's text inside a run of drafts
+    cases = [SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True, n=2),
+             SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, stop=[stop])]
+    for params in cases:
+        want = [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in plain.generate(PROMPTS[:3], params)]
+        got = [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in spec.generate(PROMPTS[:3], params)]
+        assert got == want
+    assert want[1][0][2] == "stop"  # the stop string did end the second prompt's sample
+    assert spec.engine.get_stats().spec_decode_num_accepted_tokens > 0
+
+
 def test_a_different_draft_gives_mixed_acceptance_and_the_same_tokens(
         folders: dict[str, Path], reference: list[list[int]]) -> None:
     llm = make_llm(folders["target"], folders["near"])
@@ -91,7 +105,7 @@ def test_sampled_rows_keep_the_target_distribution(folders: dict[str, Path]) -> 
     and the pairs follow the target's exact joint distribution (chi-square, p = 0.001, fixed seed)."""
     from transformers import AutoModelForCausalLM
 
-    prompt, samples, top_k = [5, 17, 42, 99], 1200, 4
+    prompt, samples, top_k = [5, 17, 42, 99], 800, 4
     hf = AutoModelForCausalLM.from_pretrained(folders["target"], dtype=torch.float32).eval()
 
     def dist(ids: list[int]) -> torch.Tensor:
