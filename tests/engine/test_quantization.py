@@ -32,6 +32,7 @@ CASES = [
     ("compressed-tensors", dict()),
     ("compressed-tensors", dict(per_channel=True)),
     ("awq", dict(group_size=128)),
+    ("awq", dict(group_size=64, symmetric=True)),
     ("gptq", dict(group_size=128, symmetric=True)),
     ("gptq", dict(group_size=64, symmetric=False)),
 ]

@@ -82,6 +82,23 @@ class ArchConfig:
             return []
         return list(self.eos_token_id) if isinstance(self.eos_token_id, list) else [self.eos_token_id]
 
+    def to_hf_config(self) -> dict[str, Any]:
+        """A transformers-4 config.json that ``from_hf_config`` reads back as this config (how a
+        GGUF model is written out as an HF folder, e.g. by the quantizer)."""
+        model_type = {arch: mt for mt, arch in SUPPORTED_ARCHITECTURES.items()}[self.architecture]
+        dtype = str(self.torch_dtype).removeprefix("torch.") if self.torch_dtype is not None else None
+        return {
+            "model_type": model_type, "hidden_act": "silu", "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers, "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta, "rope_scaling": self.rope_scaling,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings, "attention_bias": self.attention_bias,
+            "mlp_bias": self.mlp_bias, "torch_dtype": dtype,
+            "bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_id,
+        }
+
     @classmethod
     def from_hf_config(cls, config: dict[str, Any]) -> ArchConfig:
         """Build from a config.json dict (transformers 4 or 5 field names)."""
