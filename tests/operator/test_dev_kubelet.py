@@ -132,9 +132,9 @@ async def test_http_pod_becomes_ready_and_is_killed_on_delete(cluster: Cluster, 
 
 @pytest.mark.slow
 async def test_crash_loop_and_failed_pods(cluster: Cluster) -> None:
-    crash = [sys.executable, "-c", "import sys; sys.exit(3)"]
+    crash = [sys.executable, "-c", "import sys; print('starting'); sys.exit('cannot run this: the reason')"]
     await cluster.create("pods", {"metadata": {"name": "loop"}, "spec": {
-        "containers": [{"name": "c", "image": "x", "command": crash}]}})
+        "containers": [{"name": "c", "image": "x", "command": crash, "terminationMessagePolicy": "FallbackToLogsOnError"}]}})
     await cluster.create("pods", {"metadata": {"name": "once"}, "spec": {
         "restartPolicy": "Never", "containers": [{"name": "c", "image": "x", "command": crash}]}})
 
@@ -142,15 +142,18 @@ async def test_crash_loop_and_failed_pods(cluster: Cluster) -> None:
         for status in (pod or {}).get("status", {}).get("containerStatuses") or []:
             waiting = status["state"].get("waiting", {})
             if status["restartCount"] >= 1 and waiting.get("reason") == "CrashLoopBackOff":
-                return status["lastState"]["terminated"]["exitCode"] == 3
+                return status["lastState"]["terminated"]["exitCode"] == 1
         return False
 
     looping = await cluster.wait_pod("loop", crash_looping)
     assert looping is not None and looping["status"]["phase"] == "Running"
+    # FallbackToLogsOnError: the log's tail is the termination message, as the kubelet does.
+    last = looping["status"]["containerStatuses"][0]["lastState"]["terminated"]
+    assert last["message"].splitlines()[-1] == "cannot run this: the reason"
     failed = await cluster.wait_pod("once", lambda p: (p or {}).get("status", {}).get("phase") == "Failed")
     assert failed is not None
     terminated = failed["status"]["containerStatuses"][0]["state"]["terminated"]
-    assert terminated["exitCode"] == 3 and terminated["reason"] == "Error"
+    assert terminated["exitCode"] == 1 and terminated["reason"] == "Error" and "message" not in terminated
     await cluster.delete_pod("once")  # a finished pod is removed at once
     await cluster.wait_pod("once", lambda p: p is None)
 

@@ -159,21 +159,26 @@ async def test_rolling_update_keeps_a_ready_pod_until_the_new_one_is_ready(kube:
 
 
 async def test_a_crash_looping_new_pod_is_a_visible_stuck_rollout_and_the_old_pod_serves(kube: Kube) -> None:
-    """quantization.weights: fp8 on an engine without fp8: the new Pod crash-loops."""
+    """quantization.weights: awq on a plain checkpoint: the engine exits with its reason, the new
+    Pod crash-loops; the Warning Event carries the engine's reason."""
     await create(kube, body())
     await run(kube)
     (old,) = await pods(kube)
     await set_ready(kube, old["metadata"]["name"])
     await run(kube)
     await kube.request("PATCH", f"/apis/{L.GROUP}/{L.VERSION}/namespaces/{NS}/{L.PLURAL}/m",
-                       content_type="application/merge-patch+json", body={"spec": {"quantization": {"weights": "fp8"}}})
+                       content_type="application/merge-patch+json", body={"spec": {"quantization": {"weights": "awq"}}})
     (new,) = (await run(kube)).created  # type: ignore[union-attr]
+    engine_said = "ValueError: --quantization awq needs a awq checkpoint, but the model's config.json has none"
     await kube.request("PATCH", f"/api/v1/namespaces/{NS}/pods/{new}/status", content_type="application/merge-patch+json",
                        body={"status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "False"}],
                                         "containerStatuses": [{"name": "engine", "ready": False, "started": False,
                                                                "restartCount": 4, "state": {"waiting": {
                                                                    "reason": "CrashLoopBackOff",
-                                                                   "message": "back-off 1m20s restarting"}}}]}})
+                                                                   "message": "back-off 1m20s restarting"}},
+                                                               "lastState": {"terminated": {
+                                                                   "exitCode": 1, "reason": "Error",
+                                                                   "message": f"loading\n{engine_said}\n"}}}]}})
     outcome = await run(kube)
     assert outcome is not None and outcome.deleted == ()
     assert old["metadata"]["name"] in {p["metadata"]["name"] for p in await pods(kube)}  # still serving
@@ -181,8 +186,9 @@ async def test_a_crash_looping_new_pod_is_a_visible_stuck_rollout_and_the_old_po
     assert conditions["Ready"]["status"] == "True"
     assert (conditions["Progressing"]["status"], conditions["Progressing"]["reason"]) == ("False", "RolloutStuck")
     assert (conditions["Degraded"]["status"], conditions["Degraded"]["reason"]) == ("True", "CrashLoopBackOff")
+    assert engine_said in conditions["Degraded"]["message"]
     (warning,) = await events(kube, "CrashLoopBackOff")
-    assert warning["type"] == "Warning" and new in warning["message"]
+    assert warning["type"] == "Warning" and new in warning["message"] and engine_said in warning["message"]
 
 
 async def test_a_pod_whose_selector_label_was_edited_is_found_by_owner_and_repaired(kube: Kube) -> None:

@@ -154,6 +154,32 @@ def test_a_stuck_new_pod_stalls_the_rollout_while_old_pods_serve() -> None:
     assert (d["status"], d["reason"]) == ("True", "CrashLoopBackOff") and "back-off 40s" in d["message"]
 
 
+# What the engine logs when quantization.weights names a format its checkpoint does not have;
+# FallbackToLogsOnError makes the log's tail the container's termination message.
+ENGINE_EXIT_LOG = ("2026-12-01 05:19:25,589 INFO __main__: loading smollm2-135m\n"
+                   "2026-12-01 05:20:02,480 ERROR __main__: the engine could not start: ValueError: --quantization "
+                   "awq needs a awq checkpoint, but the model's config.json has no quantization_config\n")
+
+
+def test_an_engine_that_cannot_run_the_spec_is_degraded_with_the_engines_reason() -> None:
+    spec = {**SPEC, "replicas": 1, "quantization": {"weights": "awq"}}
+    body = llm(spec)
+    crashing = pod_manifest(body, 0, CONFIG)
+    crashing["status"] = {"phase": "Running", "conditions": [{"type": "Ready", "status": "False"}], **waiting(
+        "CrashLoopBackOff", "back-off 20s restarting failed container=engine",
+        lastState={"terminated": {"exitCode": 1, "reason": "Error", "message": ENGINE_EXIT_LOG}})}
+    s = compute([crashing], body=body)
+    d, r = cond(s, "Degraded"), cond(s, "Ready")
+    assert s["phase"] == "Degraded" and (d["status"], d["reason"]) == ("True", "CrashLoopBackOff")
+    assert "the engine exited with code 1: " in d["message"] and "--quantization awq needs a awq checkpoint" in d["message"]
+    assert "loading smollm2-135m" not in d["message"] and "back-off 20s" in d["message"]
+    assert (r["status"], r["reason"]) == ("False", "CrashLoopBackOff") and "needs a awq checkpoint" in r["message"]
+    # A clean exit (or no message) adds nothing: the kubelet's own message stays.
+    crashing["status"]["containerStatuses"][0]["lastState"]["terminated"]["exitCode"] = 0
+    assert cond(compute([crashing], body=body), "Degraded")["message"].endswith(
+        "back-off 20s restarting failed container=engine")
+
+
 def test_progress_deadline_marks_a_new_pod_that_never_gets_ready() -> None:
     spec = {**SPEC, "rollout": {"progressDeadlineSeconds": 120}}
     slow = pod(2, ready=False)

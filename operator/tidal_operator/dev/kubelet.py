@@ -103,6 +103,8 @@ class ContainerRuntime:
                 return
             finished = {"exitCode": exit_code, "reason": reason, "startedAt": self.state.get("running", {}).get(
                 "startedAt", now_iso()), "finishedAt": now_iso()}
+            if exit_code != 0 and self.spec.get("terminationMessagePolicy") == "FallbackToLogsOnError":
+                finished["message"] = self._log_tail()
             self.ready = self.started = False
             self.state = {"terminated": finished}
             if policy == "Never" or (policy == "OnFailure" and exit_code == 0):
@@ -117,6 +119,14 @@ class ContainerRuntime:
             await self.pod.sync_status()
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self.pod.kubelet.backoff_max_s)
+
+    def _log_tail(self, max_bytes: int = 2048, max_lines: int = 80) -> str:
+        """The kubelet's FallbackToLogsOnError message: the log's end, at most 2048 bytes or 80 lines."""
+        try:
+            data = (self.pod.log_dir / f"{self.name}.log").read_bytes()[-max_bytes:]
+        except OSError:
+            return ""
+        return "\n".join(data.decode(errors="replace").splitlines()[-max_lines:])
 
     async def _run_once(self, env: dict[str, str], argv: list[str]) -> tuple[int, str]:
         log_path = self.pod.log_dir / f"{self.name}.log"

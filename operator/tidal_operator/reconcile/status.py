@@ -56,6 +56,13 @@ def desired_replicas(spec: LLMServiceSpec, previous_status: Mapping[str, Any] | 
     return min(max(wanted, a.min_replicas), a.max_replicas)
 
 
+def last_words(terminated: Mapping[str, Any], limit: int = 500) -> str:
+    """The last line a failed container left in its termination message: the engine's error
+    (the Pod's terminationMessagePolicy FallbackToLogsOnError makes that its log's tail)."""
+    lines = [line.strip() for line in str(terminated.get("message") or "").splitlines() if line.strip()]
+    return lines[-1][-limit:] if lines and terminated.get("exitCode") not in (0, None) else ""
+
+
 def pod_stuck_reason(pod: Mapping[str, Any], now: datetime, startup_timeout_seconds: int) -> StuckPod | None:
     """Why a Pod is stuck, read from its status as the kubelet and scheduler report it."""
     name = (pod.get("metadata") or {}).get("name", "?")
@@ -75,7 +82,11 @@ def pod_stuck_reason(pod: Mapping[str, Any], now: datetime, startup_timeout_seco
             return StuckPod(name, "OOMKilled", f"container {cs.get('name')} was killed for exceeding its "
                             "memory limit (raise spec.engine.resources.memory or lower the KV cache)")
         if waiting.get("reason") in STUCK_WAITING_REASONS:
-            return StuckPod(name, waiting["reason"], waiting.get("message") or waiting["reason"])
+            message = waiting.get("message") or waiting["reason"]
+            if words := last_words(last):
+                # The engine's own reason (e.g. a quantization the checkpoint does not have).
+                message = f"the engine exited with code {last.get('exitCode')}: {words} ({message})"
+            return StuckPod(name, waiting["reason"], message)
         running = state.get("running") or {}
         started_at = parse_time(running.get("startedAt"))
         if running and cs.get("started") is False and started_at is not None \
