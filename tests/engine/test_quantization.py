@@ -153,3 +153,29 @@ def test_dummy_load_format_fills_quantized_layers_through_the_quantizer(plain_di
     model = load_model(resolve_model(str(tmp_path / "q")), torch.float32, "cpu", load_format="dummy")
     logits = logits_of(model, list(range(3, 20)))
     assert torch.isfinite(logits).all() and logits.std() > 0
+
+
+@pytest.mark.parametrize("method, options", [("fp8", dict()), ("gptq", dict(group_size=64, symmetric=True))])
+def test_sleep_level_2_reloads_and_reprocesses_quantized_weights(plain_dir: Path, tmp_path: Path, method: str,
+                                                                 options: dict) -> None:
+    # Level 2 drops the weights; the wake reads the checkpoint again into checkpoint-layout
+    # copies and processes them again (online FP8 quantizes, INT4 repacks) into the same parameters.
+    from tidal_engine import LLM, SamplingParams
+
+    folder, quantization = plain_dir, "fp8"  # fp8: online, from the plain checkpoint
+    if method != "fp8":
+        folder, quantization = tmp_path / "q", None
+        write_quantized_checkpoint(plain_dir, folder, method, **options)
+    llm = LLM(str(folder), device="cpu", dtype="float32", max_model_len=64, num_gpu_blocks_override=32,
+              enable_sleep_mode=True, quantization=quantization, skip_tokenizer_init=True)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [[5, 17, 99, 3, 25], [1, 2, 3]]
+    before = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    params_before = {n: p for n, p in llm.engine.runner.model.named_parameters()}
+    llm.engine.sleep(2)
+    assert not llm.engine.runner.weights_resident()
+    llm.engine.wake_up()
+    after_params = dict(llm.engine.runner.model.named_parameters())
+    assert after_params.keys() == params_before.keys()
+    assert all(after_params[n] is p for n, p in params_before.items())  # the same parameters, refilled
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == before

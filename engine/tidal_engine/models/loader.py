@@ -520,6 +520,7 @@ def load_model(
             if isinstance(module, LinearBase):
                 module.method.process_weights_after_loading(module)
     model.weights_processed = True
+    model.run_dtype = dtype
     return model.eval()
 
 
@@ -528,8 +529,17 @@ def fill_weights(model: LlamaForCausalLM, source: ModelSource, load_format: str 
     sleep level 2, which reuses the parameters' device memory). A single-rank model on an HF
     folder reads its tensors in parallel (``read_safetensors_parallel``)."""
     if getattr(model, "quant_config", None) is not None and getattr(model, "weights_processed", False):
-        # Quantized linears were repacked after loading: the checkpoint no longer fits them.
-        raise ValueError("reloading quantized weights in place (sleep level 2) is not supported yet")
+        # Quantized linears were repacked after loading: read into checkpoint-layout copies,
+        # then process again into the same parameters.
+        from tidal_engine.quantization.reload import checkpoint_layout
+
+        with checkpoint_layout(model, model.run_dtype, next(model.parameters()).device):
+            _fill(model, source, load_format)
+        return
+    _fill(model, source, load_format)
+
+
+def _fill(model: LlamaForCausalLM, source: ModelSource, load_format: str) -> None:
     if load_format == "dummy":
         fill_dummy_weights(model)
         return
