@@ -115,6 +115,12 @@ def test_awq_words_hold_outputs_in_awq_order() -> None:
     ({"quant_method": "gptq", "bits": 8, "group_size": 128}, None, "8-bit weights are not supported"),
     ({"quant_method": "fp8", "weight_block_size": [128, 128]}, None, "block-wise"),
     ({"quant_method": "bitsandbytes"}, None, "quant_method 'bitsandbytes'"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {
+        "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "channel"}}}}, None,
+     "int4 strategy 'channel' is not supported"),
+    ({"quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": {"g": {
+        "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 64}}}},
+     None, "only 'pack-quantized'"),
 ])
 def test_unsupported_or_mismatched_quantization_is_a_clear_error(checkpoint: dict | None, requested: str | None,
                                                                  message: str) -> None:
