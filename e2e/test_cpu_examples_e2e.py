@@ -8,14 +8,17 @@ engines (SmolLM2-135M), the real kubectl and the router:
 - examples/sleep-scale-to-zero.yaml, with its idle windows shortened to seconds (the rest
   as written): it sleeps, goes to zero, and a request through the router brings it back.
 
-All three are applied at once, so their engines start together and the idle one walks to
+Beside them, two LLMServices for features the examples don't show, on the same stack:
+`speculative: {method: ngram}` answers with the same greedy text as the plain model, and
+`quantization.weights: fp8` (the torch reference path on CPU) answers.
+
+All are applied at once, so their engines start together and the idle one walks to
 zero while the others are checked. Waits are on what the API and the router report.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -31,7 +34,7 @@ from lora_support import answer, ask  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 QUESTION = "What is the capital of France?"
-READY_BOUND_S = 240  # four real engines starting together on 2 shared CPU cores
+READY_BOUND_S = 300  # six real engines starting together on 2 shared CPU cores
 IDLE_BOUND_S = 120  # Ready → asleep → removed, with the shortened windows
 EXAMPLE_ADAPTER_URI = "file:///tmp/tidal-adapters/demo"
 # The sleep example's windows (60 s idle, 180 s to removal), shortened for the test.
@@ -78,9 +81,21 @@ def sleep_example() -> str:
     return yaml.safe_dump(doc)
 
 
+def feature_llmservice(name: str, **spec: Any) -> str:
+    """A small SmolLM2 service with one feature switched on (the two-chat example's settings)."""
+    body = {"model": {"uri": "bundled://smollm2-135m", "maxModelLen": 512},
+            "engine": {"resources": {"cpu": "1", "memory": "1Gi"}, "kvCacheMemory": "64Mi",
+                       "startupTimeoutSeconds": 300},
+            "replicas": 1, **spec}
+    return yaml.safe_dump({"apiVersion": "tidal.dev/v1alpha1", "kind": "LLMService",
+                           "metadata": {"name": name}, "spec": body})
+
+
 @pytest.fixture(scope="module")
 def stack(real_stack: Any, adapter_root: Path) -> Any:
-    manifests = [lora_example(adapter_root), (EXAMPLES / "two-chat-models.yaml").read_text(), sleep_example()]
+    manifests = [lora_example(adapter_root), (EXAMPLES / "two-chat-models.yaml").read_text(), sleep_example(),
+                 feature_llmservice("smollm2-ngram", speculative={"method": "ngram", "numSpeculativeTokens": 4}),
+                 feature_llmservice("smollm2-fp8", quantization={"weights": "fp8"})]
     real_stack.kubectl("apply", "-f", "-", input="\n---\n".join(manifests))
     return real_stack
 
@@ -135,3 +150,26 @@ def test_the_sleep_example_sleeps_goes_to_zero_and_a_request_brings_it_back(stac
     status, body = router_ask(stack, name, timeout=READY_BOUND_S)  # held by the router while a replica starts
     assert status == 200 and "Paris" in answer(body), body
     assert len(stack.pods(name)) == 1
+
+
+def test_ngram_speculation_answers_with_the_plain_models_greedy_text(stack: Any) -> None:
+    for name in ("smollm2-ngram", "smollm2-chat"):
+        stack.wait_ready(name, READY_BOUND_S)
+    (pod,) = stack.pods("smollm2-ngram")
+    args = pod["spec"]["containers"][0]["args"]
+    assert json.loads(args[args.index("--speculative-config") + 1])["method"] == "ngram"
+    answers = {}
+    for model in ("smollm2-ngram", "smollm2-chat"):
+        status, body = router_ask(stack, model)
+        assert status == 200 and body["model"] == model, (model, body)
+        answers[model] = answer(body)
+    assert answers["smollm2-ngram"] == answers["smollm2-chat"] and "Paris" in answers["smollm2-chat"]
+
+
+def test_fp8_weights_answer_on_cpu(stack: Any) -> None:
+    stack.wait_ready("smollm2-fp8", READY_BOUND_S)
+    (pod,) = stack.pods("smollm2-fp8")
+    args = pod["spec"]["containers"][0]["args"]
+    assert args[args.index("--quantization") + 1] == "fp8"
+    status, body = router_ask(stack, "smollm2-fp8")
+    assert status == 200 and "Paris" in answer(body), body
