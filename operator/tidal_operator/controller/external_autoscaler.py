@@ -7,48 +7,32 @@ What happened is the `ExternalAutoscaler` condition; KEDA's API not being served
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from ..api.types import LLMServiceSpec
 from ..kube import ApiError, Kube
 from ..scaling.controller import hpa_manifest, keda_scaled_object
+from .companion_state import CompanionState, covers
 from .ownership import owned_by
 
 CONDITION = "ExternalAutoscaler"
 Obj = dict[str, Any]
 
 
-@dataclass(frozen=True)
-class AutoscalerState:
-    ok: bool
-    reason: str
-    message: str
-
-
-def covers(have: Any, want: Any) -> bool:
-    """Whether `have` holds everything `want` sets (the API server may add defaults)."""
-    if isinstance(want, Mapping):
-        return isinstance(have, Mapping) and all(covers(have.get(k), v) for k, v in want.items())
-    if isinstance(want, list):
-        return isinstance(have, list) and len(have) == len(want) and all(covers(h, w) for h, w in zip(have, want))
-    return have == want
-
-
-async def ensure_external_autoscaler(kube: Kube, llm: Obj, spec: LLMServiceSpec) -> AutoscalerState | None:
+async def ensure_external_autoscaler(kube: Kube, llm: Obj, spec: LLMServiceSpec) -> CompanionState | None:
     """Create, repair or delete the HPA and the ScaledObject for the spec's mode. None when the
     mode is neither hpa nor keda (nothing to report)."""
     mode = spec.autoscaling.mode if spec.autoscaling is not None else None
     meta = llm["metadata"]
     namespace, name, uid = meta["namespace"], meta["name"], meta["uid"]
-    state: AutoscalerState | None = None
+    state: CompanionState | None = None
 
     try:
         hpa = await kube.get_hpa(namespace, name)
     except ApiError as exc:
         if not exc.api_missing:
             raise
-        hpa, state = None, (AutoscalerState(False, "HPANotServed", "autoscaling/v2 HorizontalPodAutoscalers are not "
+        hpa, state = None, (CompanionState(False, "HPANotServed", "autoscaling/v2 HorizontalPodAutoscalers are not "
                                             "served by this cluster") if mode == "hpa" else None)
     if mode == "hpa" and state is None:
         want = hpa_manifest(llm, spec)
@@ -63,7 +47,7 @@ async def ensure_external_autoscaler(kube: Kube, llm: Obj, spec: LLMServiceSpec)
         if not exc.api_missing:
             raise
         if mode == "keda":
-            return AutoscalerState(False, "KEDANotInstalled", "spec.autoscaling.mode is keda, but KEDA's ScaledObject "
+            return CompanionState(False, "KEDANotInstalled", "spec.autoscaling.mode is keda, but KEDA's ScaledObject "
                                    "API (keda.sh/v1alpha1) is not served: install KEDA, or use mode hpa or builtin. "
                                    "Until then the replicas stay at spec.replicas")
         return state
@@ -77,15 +61,15 @@ async def ensure_external_autoscaler(kube: Kube, llm: Obj, spec: LLMServiceSpec)
 
 
 async def _ensure(kube: Kube, kind: str, have: Obj | None, want: Obj, uid: str, *, create: Any,
-                  patch: Any) -> AutoscalerState:
+                  patch: Any) -> CompanionState:
     namespace, name = want["metadata"]["namespace"], want["metadata"]["name"]
     if have is None:
         await create(namespace, want)
     elif not owned_by(have, uid):
-        return AutoscalerState(False, "AutoscalerConflict", f"{kind} {name} exists and is not owned by this "
+        return CompanionState(False, "AutoscalerConflict", f"{kind} {name} exists and is not owned by this "
                                "LLMService: it is left alone; delete or rename it")
     elif not covers(have.get("spec"), want["spec"]):
         await patch(namespace, name, {"spec": want["spec"]})
     a = want["spec"]
     low, high = a.get("minReplicas", a.get("minReplicaCount")), a.get("maxReplicas", a.get("maxReplicaCount"))
-    return AutoscalerState(True, f"{kind}Ready", f"{kind} {name} sets spec.replicas within [{low}, {high}]")
+    return CompanionState(True, f"{kind}Ready", f"{kind} {name} sets spec.replicas within [{low}, {high}]")

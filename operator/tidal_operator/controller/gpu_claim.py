@@ -6,24 +6,16 @@ naming a claim on such a cluster would get no GPU at all)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 from .. import labels as L
 from ..api.types import LLMServiceSpec, OperatorConfig
 from ..kube import ApiError, Kube
 from ..reconcile.gpu_claim import GROUP_LABEL, group_members, gpu_claim_manifest, uses_shared_claim
-from .external_autoscaler import covers
+from .companion_state import CompanionState, covers
 
 CONDITION = "GPUShare"
 Obj = dict[str, Any]
-
-
-@dataclass(frozen=True)
-class ClaimState:
-    ok: bool
-    reason: str
-    message: str
 
 
 def _owner_uids(obj: Mapping[str, Any]) -> list[str]:
@@ -31,7 +23,7 @@ def _owner_uids(obj: Mapping[str, Any]) -> list[str]:
 
 
 async def ensure_gpu_claim(kube: Kube, config: OperatorConfig, llm: Obj, spec: LLMServiceSpec,
-                           others: Iterable[Mapping[str, Any]]) -> ClaimState | None:
+                           others: Iterable[Mapping[str, Any]]) -> CompanionState | None:
     """Create or update the group's claim; None for an LLMService that needs none."""
     if not uses_shared_claim(spec):
         return None
@@ -53,7 +45,7 @@ async def ensure_gpu_claim(kube: Kube, config: OperatorConfig, llm: Obj, spec: L
     except ApiError as exc:
         if not exc.api_missing:
             raise
-        return ClaimState(False, "ResourceClaimAPINotServed",
+        return CompanionState(False, "ResourceClaimAPINotServed",
                           "this member asks for a GPU, which a gpu-share group gets through one shared "
                           "ResourceClaim, but resource.k8s.io/v1 is not served (Dynamic Resource Allocation needs "
                           "Kubernetes 1.34+ and a DRA driver for the GPUs): the Pod waits; or drop "
@@ -62,14 +54,14 @@ async def ensure_gpu_claim(kube: Kube, config: OperatorConfig, llm: Obj, spec: L
     if have is not None:
         labels = (have.get("metadata") or {}).get("labels") or {}
         if labels.get(L.MANAGED_BY) != L.MANAGED_BY_VALUE or labels.get(GROUP_LABEL) != group:
-            return ClaimState(False, "ResourceClaimConflict", f"ResourceClaim {name} exists and was not made by "
+            return CompanionState(False, "ResourceClaimConflict", f"ResourceClaim {name} exists and was not made by "
                               f"Tidal for group {group}: it is left alone; delete or rename it")
         if not covers(have.get("spec"), want["spec"]):
             # A claim's spec can't change; a new device class applies once the group's Pods are gone.
-            return ClaimState(False, "ResourceClaimOutdated", f"ResourceClaim {name} asks for another device than "
+            return CompanionState(False, "ResourceClaimOutdated", f"ResourceClaim {name} asks for another device than "
                               f"one of class {device}: delete it when the group's Pods are gone")
         if sorted(_owner_uids(have)) != sorted(_owner_uids(want)) or not covers(labels, want["metadata"]["labels"]):
             await kube.apply_resource_claim(namespace, name, want)
     members = ", ".join(r["name"] for r in want["metadata"]["ownerReferences"])
-    return ClaimState(True, "ResourceClaimReady", f"ResourceClaim {name} (one device of class {device}) is shared "
+    return CompanionState(True, "ResourceClaimReady", f"ResourceClaim {name} (one device of class {device}) is shared "
                       f"by {members}")
