@@ -673,6 +673,22 @@ def bench_long_decode(runner: Any, shape: str, batch: int, context: int, reps: i
     return result
 
 
+def gpu_ms(fn: Callable[[], Any], reps: int = 10, warmup: int = 2) -> float:
+    """Median device time of one call (CUDA events around each)."""
+    for _ in range(warmup):
+        fn()
+    sync()
+    events = []
+    for _ in range(reps):
+        a, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        e.record()
+        events.append((a, e))
+    sync()
+    return statistics.median(a.elapsed_time(e) for a, e in events)
+
+
 def sweep_attention(runner: Any, block_tables: torch.Tensor, batch: int, context: int,
                     splits: tuple[int, ...] = (1, 2, 4, 8), block_ns: tuple[int, ...] = (32, 64, 128)) -> dict[str, Any]:
     """The paged-attention kernel alone at the decode shape, over layer 0's cache, for the KV
@@ -695,18 +711,7 @@ def sweep_attention(runner: Any, block_tables: torch.Tensor, batch: int, context
                 return paged_attention(q, cache, block_tables, seq_lens, starts, dim**-0.5, 1, block_n=bn,
                                        num_splits=n, k_scale=attn.attn.k_scale, v_scale=attn.attn.v_scale)
             try:
-                for _ in range(2):
-                    call()
-                sync()
-                events = []
-                for _ in range(10):
-                    a, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    a.record()
-                    call()
-                    e.record()
-                    events.append((a, e))
-                sync()
-                us = statistics.median(a.elapsed_time(e) for a, e in events) * 1e3
+                us = gpu_ms(call) * 1e3
                 out[f"splits{n}_block_n{bn}"] = {"us": us, "read_TB_s": layer_bytes / us / 1e6}
             except Exception as exc:  # e.g. a tile that runs out of shared memory: record, go on
                 out[f"splits{n}_block_n{bn}"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}

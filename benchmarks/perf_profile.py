@@ -25,7 +25,6 @@ import datetime
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 import traceback
@@ -37,25 +36,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from gpu_bench import SHAPES, make_config_folder, make_llm, rand_prompts, sync  # noqa: E402
+from gpu_bench import SHAPES, gpu_ms, make_config_folder, make_llm, rand_prompts, sync  # noqa: E402
 
 SAMPLED = dict(temperature=0.8, top_p=0.95, top_k=50)
-
-
-def gpu_ms(fn: Callable[[], Any], reps: int = 10, warmup: int = 2) -> float:
-    """Median device time of one call (CUDA events around each)."""
-    for _ in range(warmup):
-        fn()
-    sync()
-    events = []
-    for _ in range(reps):
-        a, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        e.record()
-        events.append((a, e))
-    sync()
-    return statistics.median(a.elapsed_time(e) for a, e in events)
 
 
 def kernel_table(trace_path: Path, top: int = 45) -> dict[str, Any]:
