@@ -66,11 +66,12 @@ def config_folder(shape: str, root: Path) -> Path:
     return folder
 
 
-def make_llm(folder: Path, num_blocks: int, host_gib: float | None, device: str, mixed_graphs: bool = True) -> LLM:
+def make_llm(folder: Path, num_blocks: int, host_gib: float | None, device: str, mixed_graphs: bool = True,
+             kv_cache_dtype: str = "auto") -> LLM:
     options: dict[str, Any] = dict(dtype="bfloat16", device=device, max_model_len=8192, load_format="dummy",
                                    skip_tokenizer_init=True, num_gpu_blocks_override=num_blocks,
                                    max_num_seqs=128, cuda_graph_sizes=[1, 2, 4, 8, 16, 32, 64, 128],
-                                   mixed_cuda_graphs=mixed_graphs)  # both engines alike
+                                   mixed_cuda_graphs=mixed_graphs, kv_cache_dtype=kv_cache_dtype)  # both alike
     if host_gib:
         options["kv_offloading_size"] = host_gib
     return LLM(str(folder), **options)
@@ -212,19 +213,20 @@ def run_turns(llm: LLM, users: int, turns: int, history: int, vocab: int, usable
 
 
 def bench_multi_turn(on: LLM, off: LLM, vocab: int, users: int, turns: int, history: int,
-                     save: Callable[[dict[str, Any]], None], block_size: int = 16) -> dict[str, Any]:
+                     save: Callable[[dict[str, Any]], None], policies: tuple[str, ...] = ("wt", "ev"),
+                     block_size: int = 16) -> dict[str, Any]:
     msg, reply = 64, 64
     final_len = history + turns * (msg + reply)
     working_blocks = users * -(-final_len // block_size)
     usable = max(working_blocks // 4, -(-final_len // block_size) + 1)
     out: dict[str, Any] = {"users": users, "turns": turns, "history_tokens": history, "message_tokens": msg,
                            "reply_tokens": reply, "working_set_blocks": working_blocks, "device_pool_blocks": usable}
-    for name in ("off", "wt", "ev"):
+    for name in ("off", *policies):
         if name != "off":
             use_policy(on, POLICIES[name])
         out[name] = run_turns(off if name == "off" else on, users, turns, history, vocab, usable, msg, reply)
         save(out)  # each engine's figures survive a timeout in the next
-    for name in ("wt", "ev"):
+    for name in policies:
         out[f"throughput_{name}_over_off"] = out[name]["requests_per_s"] / out["off"]["requests_per_s"]
         out[f"ttft_p50_{name}_over_off"] = out[name]["ttft_p50_s"] / out["off"]["ttft_p50_s"]
     return out
@@ -241,6 +243,10 @@ def main() -> None:
     ap.add_argument("--history", type=int, default=2048)
     ap.add_argument("--mixed-graphs", action=argparse.BooleanOptionalAction, default=True,
                     help="capture mixed-step CUDA graphs, the engine's default (the first 2026-12-01 run had them off)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                    help="fp8 halves the bytes of a block, so twice the tokens fit in the same host memory")
+    ap.add_argument("--multi-turn-policies", default="wt,ev",
+                    help="the saving policies the multi_turn section runs on the `on` engine, in order")
     ap.add_argument("--skip", default="")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip sections that start after this many seconds")
     ap.add_argument("--models", default="/tmp/tidal-bench-models")
@@ -254,7 +260,8 @@ def main() -> None:
         "date": os.environ.get("TIDAL_BENCH_DATE") or datetime.date.today().isoformat(),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "torch": torch.__version__,
         "python": platform.python_version(), "shape": args.shape, "host_gib": args.host_gib,
-        "device_blocks": args.device_blocks, "mixed_graphs": args.mixed_graphs, "_wall_s": {},
+        "device_blocks": args.device_blocks, "mixed_graphs": args.mixed_graphs,
+        "kv_cache_dtype": args.kv_cache_dtype, "_wall_s": {},
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -282,10 +289,10 @@ def main() -> None:
     folder = config_folder(args.shape, Path(args.models))
     vocab = SHAPES[args.shape]["vocab_size"]
     t0 = time.perf_counter()
-    off = make_llm(folder, args.device_blocks, None, device, args.mixed_graphs)
+    off = make_llm(folder, args.device_blocks, None, device, args.mixed_graphs, args.kv_cache_dtype)
     results["startup_off_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    on = make_llm(folder, args.device_blocks, args.host_gib, device, args.mixed_graphs)
+    on = make_llm(folder, args.device_blocks, args.host_gib, device, args.mixed_graphs, args.kv_cache_dtype)
     results["startup_on_s"] = time.perf_counter() - t0
     results["host_pool"] = on.engine.core.executor.collective_rpc("kv_connector_info")[0]
     save()
@@ -295,7 +302,9 @@ def main() -> None:
         results["multi_turn"] = section
         save()
 
-    guarded("multi_turn", lambda: bench_multi_turn(on, off, vocab, args.users, args.turns, args.history, partial))
+    policies = tuple(p for p in args.multi_turn_policies.split(",") if p)
+    guarded("multi_turn", lambda: bench_multi_turn(on, off, vocab, args.users, args.turns, args.history, partial,
+                                                   policies))
     results["total_wall_s"] = time.perf_counter() - started
     save()
     print("done", out, flush=True)

@@ -154,16 +154,21 @@ def kill_process_group(pgid: int) -> None:
     os.killpg(pgid, signal.SIGKILL)
 
 
-def process_gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    # A zombie not yet reaped by the kubelet is gone for our purposes.
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1].startswith("Z")
-    except OSError:
-        return True
+def process_gone(pgid: int) -> bool:
+    """Every process of the group has exited (zombies not yet reaped count as exited).
+
+    The whole group, not its leader alone: the API server's workers and the engine core are
+    its children, and a child still closing its sockets can still take a request on a pooled
+    connection after the leader is already a zombie.
+    """
+    for stat_file in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state, _ppid, group = stat_file.read_text().rsplit(") ", 1)[1].split()[:3]
+        except (OSError, IndexError, ValueError):
+            continue  # exited while we looked
+        if int(group) == pgid and state != "Z":
+            return False
+    return True
 
 
 # --- small things ---------------------------------------------------------------------------
