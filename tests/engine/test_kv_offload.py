@@ -296,3 +296,19 @@ def test_fp8_kv_cache_moves_through_the_host_tier_unchanged(model_dir: Path) -> 
     expected = tokens(plain, [prompt(s) for s in seeds])
     assert [tokens(llm, [prompt(s)])[0] for s in seeds] == expected
     assert llm.engine.get_stats().external_prefix_cache_hits == 96
+
+
+def test_users_returning_in_turn_with_save_on_eviction_keep_their_host_blocks(
+        model_dir: Path, reference: dict[int, list[int]]) -> None:
+    """Users come back in a fixed order (a multi-turn chat), the device pool holds about one
+    conversation and the host pool the others. Admitting a returning user allocates device
+    blocks, which evicts (and, under ``eviction``, saves) someone else's: those saves must not
+    push the returning user's own host blocks out between the lookup and the load."""
+    llm = make_llm(model_dir, host_blocks=20, device_blocks=10, kv_offloading_save="eviction")
+    users = (0, 1, 2, 3)
+    before = llm.engine.get_stats()
+    for _ in range(3):
+        for seed in users:
+            assert tokens(llm, [prompt(seed)]) == [reference[seed]]
+    hits = llm.engine.get_stats().external_prefix_cache_hits - before.external_prefix_cache_hits
+    assert hits > 0  # later turns were served from the host tier

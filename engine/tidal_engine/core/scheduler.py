@@ -359,9 +359,11 @@ class Scheduler:
         bs = self.config.block_size
         num_external = min(num_external, (request.num_tokens - 1) // bs * bs - num_hit)  # compute >= 1 token
         if num_external <= 0:
+            self.connector.match_dropped(request)
             return None
         block_ids = self.kv_cache_manager.allocate_slots(request, num_external, computed_blocks)
         if block_ids is None:
+            self.connector.match_dropped(request)
             return None
         self.waiting.popleft()
         self._count_external(request, num_hit, num_external)

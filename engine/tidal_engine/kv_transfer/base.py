@@ -101,7 +101,14 @@ class KVConnectorScheduler(ABC):
     @abstractmethod
     def num_matched_tokens(self, request: Request, num_device_hit: int) -> int:
         """Tokens after the first ``num_device_hit`` that this connector can load (a multiple
-        of the block size). The scheduler caps the answer so one token is always computed."""
+        of the block size). The scheduler caps the answer so one token is always computed.
+        What matched must stay loadable until ``start_load`` or ``match_dropped``: allocating
+        the device blocks for it can evict device blocks, and their saves must not push out
+        the very blocks about to be loaded."""
+
+    def match_dropped(self, request: Request) -> None:  # noqa: B027 - nothing held by default
+        """The scheduler will not load what ``num_matched_tokens`` just matched (no room, or
+        nothing left after its cap): release whatever the match holds."""
 
     @abstractmethod
     def start_load(self, request: Request, block_ids: list[int], keys: list[BlockHash],

@@ -85,6 +85,7 @@ class OffloadConnectorScheduler(KVConnectorScheduler):
         self._ids = itertools.count(1)
         self._loads: dict[int, _Load] = {}  # transfer id → load (queued or in flight)
         self._load_of: dict[str, int] = {}  # request id → its load's transfer id
+        self._matched: dict[str, list[int]] = {}  # request id → host slots its lookup pinned
         self._queued_save = _Save()
         self._queued_evicted = _Save()  # under "eviction": blocks this step's forward overwrites
         self._saves: dict[int, _Save] = {}  # in flight (blocks held, unless evicted)
@@ -93,13 +94,23 @@ class OffloadConnectorScheduler(KVConnectorScheduler):
 
     # ---- lookups and loads ---------------------------------------------------------------
     def num_matched_tokens(self, request: Request, num_device_hit: int) -> int:
+        self.match_dropped(request)
         hashes = request.update_block_hashes(self.block_size, request.num_tokens - 1)
         start = num_device_hit // self.block_size
-        return self.pool.lookup(hashes[start:]) * self.block_size
+        count = self.pool.lookup(hashes[start:])
+        if count:  # pinned until start_load: saves of blocks the allocation evicts can't drop them
+            self._matched[request.request_id] = self.pool.pin(hashes[start:start + count])
+        return count * self.block_size
+
+    def match_dropped(self, request: Request) -> None:
+        slots = self._matched.pop(request.request_id, None)
+        if slots:
+            self.pool.unpin(slots)
 
     def start_load(self, request: Request, block_ids: list[int], keys: list[BlockHash],
                    before_forward: bool = False) -> None:
-        slots = self.pool.pin(keys)
+        slots = self.pool.pin(keys)  # a prefix of what matched, so still ready
+        self.match_dropped(request)
         self.holder.hold_blocks(block_ids)
         transfer_id = next(self._ids)
         self._loads[transfer_id] = _Load(request.request_id, list(block_ids), slots, before_forward=before_forward)
