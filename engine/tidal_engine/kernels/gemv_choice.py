@@ -5,6 +5,12 @@ The model runner calls ``choose_gemv`` at start-up on CUDA (16-bit weights only:
 cuBLAS, so the fp32 parity tests see the same matmuls as before). Each ``Linear`` then carries
 ``gemv_config`` (None: cuBLAS) and uses it whenever its input has exactly one row, which is the
 single-stream decode step and its CUDA graph. ``TIDAL_GEMV=0`` turns the choice off.
+
+Quantized linears whose method has a small-batch kernel (quantization/base.py's
+``SmallBatchKernel``: FP8 and INT4) get the same treatment against their own general path
+(``_scaled_mm``, the INT4 GEMM): once for one row (``gemv_config``) and once for
+``GEMV_MAX_ROWS`` rows (``gemv_config_few``, used for 2 to that many rows). Their keys carry
+the format and the row count instead of a torch dtype (``fp8r1``, ``int4g128r4``).
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ def pick_fastest(timings: dict[Candidate, float]) -> Candidate:
     return best
 
 
-def time_in_graph(fn: Callable[[torch.Tensor], Any], weights: list[torch.Tensor], calls: int = 32) -> float:
+def time_in_graph(fn: Callable[[Any], Any], weights: list[Any], calls: int = 32) -> float:
     """Seconds per ``fn(weight)`` call as the decode step runs it: many calls captured in one
     CUDA graph (so launch overhead, which differs between cuBLAS and Triton, doesn't count;
     inside the engine's graphs there is none), cycling through ``weights`` so repeated calls
@@ -72,15 +78,79 @@ def rotation_copies(weight: torch.Tensor, l2_bytes: int = 64 << 20) -> list[torc
     return [weight] + [weight.clone() for _ in range(count - 1)]
 
 
-def choose_gemv(model: nn.Module, cache: dict[tuple[int, int, torch.dtype, bool], Candidate]) -> dict[str, int]:
+def rotation_sets(tensors: tuple[torch.Tensor, ...], l2_bytes: int = 64 << 20) -> list[tuple[torch.Tensor, ...]]:
+    """As ``rotation_copies`` for a matmul that reads several tensors (weights and scales)."""
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    count = max(1, min(16, -(-2 * l2_bytes // max(nbytes, 1))))
+    return [tensors] + [tuple(t.clone() for t in tensors) for _ in range(count - 1)]
+
+
+def _choose_small_batch(module: nn.Module, cache: dict[Any, Candidate], dtype: torch.dtype) -> bool:
+    """Time a quantized linear's small-batch kernel candidates against its general path at one
+    row and at ``GEMV_MAX_ROWS`` rows of ``dtype`` activations; set ``gemv_config`` /
+    ``gemv_config_few``. Returns whether the one-row input uses the kernel."""
+    from tidal_engine.quantization.base import GEMV_MAX_ROWS
+
+    method, bias = module.method, module.bias
+    weights = method.gemv_weights(module)
+    if weights[0].numel() == 0:
+        return False
+    kind = method.gemv_kind(module)
+    copies: list[tuple[torch.Tensor, ...]] | None = None
+    for rows, attr in ((1, "gemv_config"), (GEMV_MAX_ROWS, "gemv_config_few")):
+        key = (module.out_features, module.in_features, f"{kind}r{rows}", bias is not None)
+        if key not in cache:
+            if copies is None:
+                copies = rotation_sets(weights)
+            x = torch.randn(rows, module.in_features, dtype=dtype, device=weights[0].device)
+            reference = method.run_general(module, x, weights, bias).float()
+            timings: dict[Candidate, float] = {
+                None: time_in_graph(lambda ws: method.run_general(module, x, ws, bias), copies)
+            }
+            for config in method.gemv_candidates:
+                try:
+                    got = method.run_gemv(module, x, weights, bias, config).float()
+                except ValueError:  # the tile does not fit this shape
+                    continue
+                # The general path may quantize the activations (W8A8) where the kernel does not:
+                # this only catches a broken kernel, not a rounding difference.
+                if not torch.allclose(got, reference, rtol=0.1, atol=0.1 * reference.abs().max().item()):
+                    logger.warning("small-batch kernel %s disagrees with the general path on %s; not used", config, key)
+                    continue
+                timings[config] = time_in_graph(lambda ws, c=config: method.run_gemv(module, x, ws, bias, c), copies)
+            cache[key] = pick_fastest(timings)
+            logger.info("%d-row %s linear %dx%d: %s (%s)", rows, kind, key[0], key[1], cache[key] or "general path",
+                        ", ".join(f"{c or 'general'}={t * 1e6:.1f}us" for c, t in timings.items()))
+        setattr(module, attr, cache[key])
+    del copies
+    return module.gemv_config is not None
+
+
+def _run_dtype(module: nn.Module, fallback: torch.dtype) -> torch.dtype:
+    """The dtype of the module's first 16-bit parameter (the model's run dtype), else ``fallback``."""
+    for t in module.parameters():
+        if t.dtype in (torch.bfloat16, torch.float16):
+            return t.dtype
+    return fallback
+
+
+def choose_gemv(model: nn.Module, cache: dict[tuple[int, int, torch.dtype, bool], Candidate],
+                dtype: torch.dtype | None = None) -> dict[str, int]:
     """Set ``gemv_config`` on every Linear of ``model`` (CUDA, 16-bit); ``cache`` keeps the
-    choice per (N, K, dtype, bias) across model reloads (sleep level 2). Returns counts."""
+    choice per (N, K, dtype, bias) across model reloads (sleep level 2). ``dtype`` is the run
+    dtype (the activations of quantized linears; default: the model's first 16-bit parameter).
+    Returns counts (quantized linears count as "gemv" when their one-row input uses the kernel)."""
     from tidal_engine.kernels.triton.gemv import GEMV_CONFIGS, gemv
     from tidal_engine.layers.linear import LinearBase, UnquantizedLinearMethod
+    from tidal_engine.quantization.base import SmallBatchKernel
 
     chosen = {"cublas": 0, "gemv": 0}
+    run_dtype = dtype or _run_dtype(model, torch.bfloat16)
     with torch.inference_mode():
         for module in model.modules():
+            if isinstance(module, LinearBase) and isinstance(module.method, SmallBatchKernel):
+                chosen["gemv" if _choose_small_batch(module, cache, run_dtype) else "cublas"] += 1
+                continue
             if not isinstance(module, LinearBase) or not isinstance(module.method, UnquantizedLinearMethod) \
                     or module.weight.numel() == 0:
                 continue
@@ -109,11 +179,12 @@ def choose_gemv(model: nn.Module, cache: dict[tuple[int, int, torch.dtype, bool]
     return chosen
 
 
-ChoiceKey = tuple[int, int, torch.dtype, bool]
+ChoiceKey = tuple[int, int, Any, bool]  # (N, K, torch dtype or a quantized kind such as "fp8r1", bias)
 
 
 def load_choices(path: Path, candidates: tuple[Any, ...]) -> dict[ChoiceKey, Candidate]:
-    """The choices stored in ``path`` (kernels/compile_cache.py) that are still candidates."""
+    """The choices stored in ``path`` (kernels/compile_cache.py) that are still candidates
+    (``candidates`` for 16-bit weights, the formats' own for quantized kinds)."""
     from tidal_engine.kernels.compile_cache import decode_choice, read_json
 
     choices: dict[ChoiceKey, Candidate] = {}
@@ -121,13 +192,33 @@ def load_choices(path: Path, candidates: tuple[Any, ...]) -> dict[ChoiceKey, Can
         try:
             shape, dtype_name, bias = key.split(":")
             n, k = (int(x) for x in shape.split("x"))
-            dtype = getattr(torch, dtype_name)
-        except (ValueError, AttributeError):
+        except ValueError:
             continue
-        known, choice = decode_choice(data, candidates)
-        if known and isinstance(dtype, torch.dtype):
+        dtype = getattr(torch, dtype_name, None)
+        if isinstance(dtype, torch.dtype):
+            known, choice = decode_choice(data, candidates)
+        else:
+            kind_candidates = _quantized_candidates(dtype_name)
+            if kind_candidates is None:
+                continue
+            dtype = dtype_name
+            known, choice = decode_choice(data, kind_candidates)
+        if known:
             choices[(n, k, dtype, bias == "bias")] = choice
     return choices
+
+
+def _quantized_candidates(kind: str) -> tuple[Any, ...] | None:
+    """The small-batch kernel candidates of a quantized kind (``fp8r1``, ``int4g64r4``...)."""
+    if kind.startswith("fp8r"):
+        from tidal_engine.kernels.triton.quant_fp8 import FP8_GEMV_CONFIGS
+
+        return FP8_GEMV_CONFIGS
+    if kind.startswith("int4g"):
+        from tidal_engine.kernels.triton.quant_int4 import INT4_GEMV_CONFIGS
+
+        return INT4_GEMV_CONFIGS
+    return None
 
 
 def save_choices(path: Path, choices: dict[ChoiceKey, Candidate]) -> None:

@@ -54,3 +54,43 @@ class QuantizationConfig(ABC):
             elif module == entry or module.endswith("." + entry):
                 return True
         return False
+
+
+# Inputs of at most this many rows (decode) may go to a method's small-batch kernel.
+GEMV_MAX_ROWS = 4
+
+
+class SmallBatchKernel(ABC):
+    """A quantized ``LinearMethod`` with a small-batch (GEMV) kernel besides its general path.
+
+    kernels/gemv_choice.py times the kernel's candidate tile shapes against the general path
+    once per weight shape, for one row and for ``GEMV_MAX_ROWS`` rows, and sets the winners on
+    the layer (``gemv_config``, ``gemv_config_few``; None: the general path)."""
+
+    gemv_candidates: tuple[Any, ...] = ()
+
+    @abstractmethod
+    def gemv_kind(self, layer: Any) -> str:
+        """What the timings depend on besides the shape (format, group size): part of the key."""
+
+    @abstractmethod
+    def gemv_weights(self, layer: Any) -> tuple[Any, ...]:
+        """The tensors the matmul reads (timing rotates copies of them through L2)."""
+
+    @abstractmethod
+    def run_gemv(self, layer: Any, x: Any, weights: tuple[Any, ...], bias: Any, config: Any) -> Any:
+        """The small-batch kernel on ``x [M, K]`` with ``weights`` and tile ``config``."""
+
+    @abstractmethod
+    def run_general(self, layer: Any, x: Any, weights: tuple[Any, ...], bias: Any) -> Any:
+        """The path for any number of rows on this device."""
+
+    def apply_2d(self, layer: Any, x: Any, bias: Any) -> Any:
+        """``x [M, K]``: the chosen small-batch kernel for few rows, else the general path."""
+        rows = x.shape[0]
+        config = layer.gemv_config if rows == 1 else getattr(layer, "gemv_config_few", None) \
+            if rows <= GEMV_MAX_ROWS else None
+        weights = self.gemv_weights(layer)
+        if config is not None:
+            return self.run_gemv(layer, x, weights, bias, config)
+        return self.run_general(layer, x, weights, bias)

@@ -7,9 +7,12 @@ Per-tensor checkpoint scales become per-channel ones on load (q, k and v of a me
 their own scales that way). A checkpoint's static ``input_scale`` is read past: activations are
 always scaled per token, which is at least as accurate.
 
-The matmul is ``torch._scaled_mm`` on GPUs with FP8 tensor cores (compute capability 8.9+);
-everywhere else a reference in the run dtype computes the same numbers: quantize the
-activations, dequantize both, multiply.
+The matmul is ``torch._scaled_mm`` on GPUs with FP8 tensor cores (compute capability 8.9+),
+with the activations quantized by one Triton kernel (kernels/triton/quant_fp8.py); inputs of
+a few rows (decode) may instead go to the FP8-weight Triton GEMV, which widens the weights in
+registers and leaves the activations in 16 bits (chosen per shape by measurement,
+kernels/gemv_choice.py). Everywhere else a reference in the run dtype computes the W8A8
+numbers: quantize the activations, dequantize both, multiply.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tidal_engine.layers.linear import LinearBase, LinearMethod, as_tensor
-from tidal_engine.quantization.base import QuantizationConfig
+from tidal_engine.quantization.base import QuantizationConfig, SmallBatchKernel
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
@@ -45,7 +48,7 @@ def scaled_mm_supported(x: torch.Tensor) -> bool:
     return x.is_cuda and torch.cuda.get_device_capability(x.device) >= (8, 9)
 
 
-class Fp8LinearMethod(LinearMethod):
+class Fp8LinearMethod(LinearMethod, SmallBatchKernel):
     """``weight`` e4m3 ``[out, in]`` and ``weight_scale`` float32 ``[out]``; with ``online`` the
     checkpoint's 16/32-bit ``weight`` is loaded first and quantized after loading."""
 
@@ -96,20 +99,43 @@ class Fp8LinearMethod(LinearMethod):
         layer.weight = nn.Parameter(q, requires_grad=False)
         layer.weight_scale = nn.Parameter(scale, requires_grad=False)
 
+    @property
+    def gemv_candidates(self) -> tuple:  # type: ignore[override]
+        from tidal_engine.kernels.triton.quant_fp8 import FP8_GEMV_CONFIGS
+
+        return FP8_GEMV_CONFIGS
+
+    def gemv_kind(self, layer: LinearBase) -> str:
+        return "fp8"
+
+    def gemv_weights(self, layer: LinearBase) -> tuple[torch.Tensor, ...]:
+        return layer.weight, layer.weight_scale
+
+    def run_gemv(self, layer: LinearBase, x: torch.Tensor, weights: tuple[torch.Tensor, ...],
+                 bias: torch.Tensor | None, config: Any) -> torch.Tensor:
+        from tidal_engine.kernels.triton.quant_fp8 import fp8_gemv
+
+        return fp8_gemv(x, weights[0], weights[1], bias, config)
+
+    def run_general(self, layer: LinearBase, x: torch.Tensor, weights: tuple[torch.Tensor, ...],
+                    bias: torch.Tensor | None) -> torch.Tensor:
+        weight, scale = weights
+        if scaled_mm_supported(x) and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0:
+            return scaled_mm(x, weight, scale, bias)
+        return reference_fp8_linear(x, weight, scale, bias)
+
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        weight, scale = layer.weight, layer.weight_scale
-        if scaled_mm_supported(x2) and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0:
-            y = scaled_mm(x2, weight, scale, bias)
-        else:
-            y = reference_fp8_linear(x2, weight, scale, bias)
+        y = self.apply_2d(layer, x.reshape(-1, shape[-1]), bias)
         return y.reshape(*shape[:-1], y.shape[-1])
 
 
 def scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """The Hopper path: per-token × per-channel scaled FP8 GEMM (cuBLASLt), bf16 out."""
-    xq, x_scale = quantize_tokens(x)
+    """The Hopper path: per-token × per-channel scaled FP8 GEMM (cuBLASLt), bf16 out; the
+    activations are quantized by one Triton kernel."""
+    from tidal_engine.kernels.triton.quant_fp8 import quantize_rows_fp8
+
+    xq, x_scale = quantize_rows_fp8(x)
     y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=scale.view(1, -1), out_dtype=torch.bfloat16)
     y = y.to(x.dtype)
     return y + bias if bias is not None else y

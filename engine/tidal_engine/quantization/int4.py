@@ -12,8 +12,10 @@ On disk (the formats AutoAWQ and AutoGPTQ/GPTQModel write):
 
 After loading, both are repacked into one layout that the kernels read row by row:
 ``qweight`` ``[out, in/8]`` (8 inputs a word, in order), ``scales`` and ``zeros`` ``[out, in/g]``
-in the run dtype. The matmul is the torch reference (dequantize, then multiply) on every
-device; a Triton INT4 kernel is not written yet.
+in the run dtype. On CUDA in 16 bits the matmul is Triton (kernels/triton/quant_int4.py): a
+dequantize-in-register GEMM, and for a few rows (decode) a GEMV that reads the words
+directly (its tile shape chosen per weight shape by measurement, kernels/gemv_choice.py).
+Elsewhere (CPU, fp32) it is the torch reference: dequantize, then multiply.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tidal_engine.layers.linear import LinearBase, LinearMethod
-from tidal_engine.quantization.base import QuantizationConfig
+from tidal_engine.quantization.base import QuantizationConfig, SmallBatchKernel
 
 PACK = 8  # 4-bit values per int32
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # word nibble i holds output column AWQ_ORDER[i]
@@ -63,7 +65,7 @@ def _param(data: torch.Tensor, output_dim: int | None, input_dim: int | None, ou
     return p
 
 
-class Int4LinearMethod(LinearMethod):
+class Int4LinearMethod(LinearMethod, SmallBatchKernel):
     """Loads AWQ or GPTQ tensors (``fmt``), repacks them, multiplies."""
 
     def __init__(self, fmt: str, group_size: int, zero_offset: int = 0, has_zeros: bool = True) -> None:
@@ -134,12 +136,36 @@ class Int4LinearMethod(LinearMethod):
         layer.zeros = _param(zeros.to(scales.dtype).contiguous(), 0, 1)
         layer.group_size = g
 
+    @property
+    def gemv_candidates(self) -> tuple:  # type: ignore[override]
+        from tidal_engine.kernels.triton.quant_int4 import INT4_GEMV_CONFIGS
+
+        return INT4_GEMV_CONFIGS
+
+    def gemv_kind(self, layer: LinearBase) -> str:
+        return f"int4g{self.group_size}"
+
+    def gemv_weights(self, layer: LinearBase) -> tuple[torch.Tensor, ...]:
+        return layer.qweight, layer.scales, layer.zeros
+
+    def run_gemv(self, layer: LinearBase, x: torch.Tensor, weights: tuple[torch.Tensor, ...],
+                 bias: torch.Tensor | None, config: Any) -> torch.Tensor:
+        from tidal_engine.kernels.triton.quant_int4 import int4_gemv
+
+        return int4_gemv(x, *weights, self.group_size, bias, config)
+
+    def run_general(self, layer: LinearBase, x: torch.Tensor, weights: tuple[torch.Tensor, ...],
+                    bias: torch.Tensor | None) -> torch.Tensor:
+        if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
+            from tidal_engine.kernels.triton.quant_int4 import int4_gemm
+
+            return int4_gemm(x, *weights, self.group_size, bias)
+        w = dequantize(*weights, self.group_size, x.dtype)
+        return F.linear(x, w, bias)
+
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        # The reference everywhere for now (no INT4 kernel yet: on CUDA this is correct but slow).
-        w = dequantize(layer.qweight, layer.scales, layer.zeros, self.group_size, x2.dtype)
-        y = F.linear(x2, w, bias)
+        y = self.apply_2d(layer, x.reshape(-1, shape[-1]), bias)
         return y.reshape(*shape[:-1], y.shape[-1])
 
 

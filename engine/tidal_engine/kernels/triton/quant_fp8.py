@@ -1,0 +1,137 @@
+"""FP8 (e4m3) kernels for the W8A8 linear (quantization/fp8.py).
+
+- ``fp8_gemv``: ``y = x (W * scale)^T + b`` for a few rows of 16-bit activations and e4m3
+  weights with one fp32 scale per output row. Decode at batch 1 is a pure weight read, so
+  halving the weight bytes is the whole gain; the weights are widened in registers,
+  multiplied in fp32, and the row scale is applied once after the reduction. The
+  activations are not quantized here (W8A16), which is slightly more exact than the W8A8
+  path of larger batches. Each program takes ``BLOCK_N`` output rows of one input row;
+  the input rows' programs of one weight tile run next to each other (input row is the
+  fastest grid axis), so a few rows read the weights from HBM about once.
+- ``quantize_rows_fp8``: dynamic per-token activation quantization in one kernel (absmax of
+  the row → scale = absmax / 448 → e4m3), in front of ``torch._scaled_mm`` for larger batches.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tidal_engine.kernels.triton.gemv import GemvConfig
+
+FP8_MAX = 448.0
+MIN_SCALE = 1e-12  # an all-zero row still gets a finite scale (as quantization/fp8.py)
+MAX_GRID_Y = 65535
+
+# The candidates timed at start-up (kernels/gemv_choice.py): one byte a weight, so wider K tiles.
+FP8_GEMV_CONFIGS: tuple[GemvConfig, ...] = (
+    GemvConfig(1, 2048, 4),
+    GemvConfig(2, 1024, 4),
+    GemvConfig(2, 2048, 8),
+    GemvConfig(4, 512, 4),
+    GemvConfig(4, 1024, 4),
+    GemvConfig(4, 2048, 8),
+    GemvConfig(8, 512, 4),
+    GemvConfig(8, 1024, 8),
+    GemvConfig(16, 512, 8),
+)
+
+
+@triton.jit(do_not_specialize=["stride_xm", "stride_om"])
+def _fp8_gemv_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    b_ptr,
+    out_ptr,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    m = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
+    x_row = x_ptr + m.to(tl.int64) * stride_xm
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        x = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(w_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        acc += w * x[None, :]
+    y = tl.sum(acc, axis=1) * tl.load(s_ptr + rows, mask=row_ok, other=0.0)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + m.to(tl.int64) * stride_om + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
+
+
+def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+             config: GemvConfig) -> torch.Tensor:
+    """``x [M, K]`` (16/32-bit) @ ``(weight [N, K] e4m3 * scale [N, 1])^T (+ bias)`` → ``[M, N]`` in x's dtype."""
+    if x.dim() != 2:
+        raise ValueError(f"fp8_gemv takes x of shape [M, K]; got {tuple(x.shape)}")
+    n, k = weight.shape
+    if x.shape[1] != k:
+        raise ValueError(f"x has {x.shape[1]} features, weight expects {k}")
+    if weight.stride(1) != 1 or scale.numel() != n:
+        raise ValueError("weight's last dim must be contiguous and scale must hold one value per output row")
+    if triton.cdiv(n, config.block_n) > MAX_GRID_Y:
+        raise ValueError(f"{n} output rows need more than {MAX_GRID_Y} programs of {config.block_n} rows")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    m = x.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    _fp8_gemv_kernel[(m, triton.cdiv(n, config.block_n))](
+        x, weight, scale, bias if bias is not None else scale, out, n, k, x.stride(0), weight.stride(0),
+        out.stride(0), BLOCK_N=config.block_n, BLOCK_K=config.block_k, HAS_BIAS=bias is not None,
+        num_warps=config.num_warps,
+    )
+    return out
+
+
+@triton.jit(do_not_specialize=["stride_x"])
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK_K: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    amax = tl.zeros([BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        amax = tl.maximum(amax, tl.abs(tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)))
+    scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX, MIN_SCALE)
+    tl.store(s_ptr + row, scale)
+    for k0 in range(0, K, BLOCK_K):  # the second read of the row comes from L1/L2
+        k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
+        q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX)
+        tl.store(q_ptr + row * stride_q + k, q.to(q_ptr.dtype.element_ty), mask=k < K)
+
+
+def quantize_rows_fp8(x: torch.Tensor, out_dtype: torch.dtype = torch.float8_e4m3fn) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` → (``[M, K]`` e4m3, float32 scale ``[M, 1]``) with ``x ≈ q * scale``, as
+    quantization/fp8.py's ``quantize_tokens``. ``out_dtype=float32`` stores the scaled, clamped
+    values before the e4m3 rounding (the CPU interpreter's e4m3 rounding is not exact)."""
+    if x.dim() != 2:
+        raise ValueError(f"quantize_rows_fp8 takes x of shape [M, K]; got {tuple(x.shape)}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=out_dtype, device=x.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    if m == 0:
+        return q, scale
+    block = min(triton.next_power_of_2(k), 4096)
+    _quantize_rows_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), BLOCK_K=block,
+                                num_warps=8 if block >= 2048 else 4)
+    return q, scale
+
+
+__all__ = ["FP8_GEMV_CONFIGS", "fp8_gemv", "quantize_rows_fp8"]

@@ -1,0 +1,252 @@
+"""The Triton kernels of the quantized linears (kernels/triton/quant_fp8.py, quant_int4.py) against
+the torch reference, the routing of few-row inputs to them, and their start-up choice.
+
+CPU tests run the kernels in Triton's interpreter in float32 on tiny shapes; the gpu-marked ones
+run them compiled in bf16 at the Qwen3-8B shapes."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from tidal_engine.kernels.gemv_choice import load_choices, save_choices  # noqa: E402
+from tidal_engine.kernels.triton.gemv import GEMV_CONFIGS, GemvConfig  # noqa: E402
+from tidal_engine.kernels.triton.quant_fp8 import FP8_GEMV_CONFIGS, fp8_gemv, quantize_rows_fp8  # noqa: E402
+from tidal_engine.kernels.triton.quant_int4 import INT4_GEMV_CONFIGS, int4_gemm, int4_gemv  # noqa: E402
+from tidal_engine.layers.linear import Linear  # noqa: E402
+from tidal_engine.quantization.base import GEMV_MAX_ROWS  # noqa: E402
+from tidal_engine.quantization.fp8 import FP8, Fp8LinearMethod, quantize_rows, quantize_tokens  # noqa: E402
+from tidal_engine.quantization.int4 import Int4LinearMethod, dequantize  # noqa: E402
+from tidal_engine.quantization.quantizer import quantize_tensor  # noqa: E402
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+_cpu = pytest.mark.skipif(not INTERPRETING, reason="CPU kernels need TRITON_INTERPRET=1")
+_compiled_gpu = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETING,
+                                   reason="needs a CUDA device, kernels compiled (TRITON_INTERPRET=0)")
+
+
+def _int4_layer(fmt: str, n: int, k: int, group: int, symmetric: bool, seed: int = 0,
+                device: str = "cpu", dtype: torch.dtype = torch.float32) -> tuple[Linear, torch.Tensor]:
+    """A Linear loaded from ``fmt``'s on-disk tensors (Tidal's quantizer) and repacked, with the
+    float32 weight those tensors stand for."""
+    torch.manual_seed(seed)
+    w = torch.randn(n, k) * 0.05
+    tensors, deq = quantize_tensor(fmt, w, group, symmetric=symmetric)
+    has_zeros = not (fmt == "awq" and symmetric)
+    method = Int4LinearMethod(fmt, group, zero_offset=1 if fmt == "gptq" else 0, has_zeros=has_zeros)
+    with torch.device("cpu"):
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            layer = Linear(k, n, bias=False, method=method)
+        finally:
+            torch.set_default_dtype(prev)
+    for name, t in tensors.items():
+        param = getattr(layer, name)
+        param.weight_loader(param, t)
+    if fmt == "gptq":
+        layer.g_idx.weight_loader(layer.g_idx, torch.arange(k, dtype=torch.int32) // group)
+    method.process_weights_after_loading(layer)
+    return layer.to(device), deq.to(device)
+
+
+def _fp8_layer(n: int, k: int, seed: int = 0, device: str = "cpu") -> Linear:
+    torch.manual_seed(seed)
+    layer = Linear(k, n, bias=False, method=Fp8LinearMethod(online=False))
+    q, scale = quantize_rows(torch.randn(n, k) * 0.05)
+    layer.weight.data.copy_(q)
+    layer.weight_scale.data.copy_(scale)
+    return layer.to(device)
+
+
+# ---- CPU: the interpreter, float32 -------------------------------------------------------
+@_cpu
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp8_gemv_matches_the_dequantized_weights(rows: int, bias: bool) -> None:
+    # N and K not multiples of the tile: the masked edges must add nothing.
+    torch.manual_seed(0)
+    q, scale = quantize_rows(torch.randn(45, 300))
+    b = torch.randn(45) if bias else None
+    x = torch.randn(rows, 300)
+    expected = torch.nn.functional.linear(x, q.float() * scale[:, None], b)
+    for config in (GemvConfig(8, 128, 2), GemvConfig(2, 64, 1)):
+        got = fp8_gemv(x, q, scale, b, config)
+        assert got.shape == (rows, 45) and got.dtype == torch.float32
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
+
+
+@_cpu
+def test_activation_quantization_kernel_matches_quantize_tokens() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(5, 300) * torch.tensor([1.0, 1e-3, 0.0, 50.0, 1.0])[:, None]  # a zero row too
+    x[4, 7] = 1e4  # an outlier sets its row's scale
+    q_ref, s_ref = quantize_tokens(x)
+    # The interpreter's own e4m3 conversion mis-rounds values that round up to a power of two,
+    # so here the kernel stores the scaled, clamped values and torch rounds them (the GPU test
+    # checks the e4m3 output itself).
+    scaled, s = quantize_rows_fp8(x, out_dtype=torch.float32)
+    assert s.shape == (5, 1)
+    torch.testing.assert_close(s, s_ref, rtol=0, atol=0)
+    assert scaled.abs().max() <= 448.0
+    assert torch.equal(scaled.to(FP8).float(), q_ref.float())
+
+
+@_cpu
+@pytest.mark.parametrize("fmt,group,symmetric", [("awq", 128, False), ("awq", 64, True), ("gptq", 64, False),
+                                                 ("gptq", 128, True)])
+def test_int4_kernels_match_the_reference_for_both_layouts(fmt: str, group: int, symmetric: bool) -> None:
+    layer, deq = _int4_layer(fmt, 40, 256, group, symmetric)
+    weights = (layer.qweight, layer.scales, layer.zeros)
+    torch.testing.assert_close(dequantize(*weights, group, torch.float32), deq, rtol=0, atol=0)
+    for rows in (1, 3):
+        x = torch.randn(rows, 256)
+        b = torch.randn(40)
+        expected = torch.nn.functional.linear(x, deq, b)
+        got = int4_gemv(x, *weights, group, b, GemvConfig(8, 128, 2))
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
+        got = int4_gemv(x, *weights, group, None, GemvConfig(32, 64, 1))  # BLOCK_N past N: masked rows
+        torch.testing.assert_close(got, expected - b, rtol=1e-5, atol=1e-4)
+    x = torch.randn(20, 256)  # two row tiles of 16, one of them partial
+    got = int4_gemm(x, *weights, group, None, tiles=(16, 16, 32, 1, 1))
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, deq), rtol=1e-5, atol=1e-4)
+
+
+@_cpu
+def test_int4_kernels_refuse_what_they_cannot_read() -> None:
+    layer, _ = _int4_layer("gptq", 16, 128, 64, False)
+    weights = (layer.qweight, layer.scales, layer.zeros)
+    with pytest.raises(ValueError, match="features"):
+        int4_gemv(torch.randn(1, 120), *weights, 64, None, GemvConfig(8, 128, 2))
+    with pytest.raises(ValueError, match="group size"):
+        int4_gemm(torch.randn(2, 128), *weights, 48, None)
+    with pytest.raises(ValueError, match="whole number of words"):
+        int4_gemv(torch.randn(1, 128), *weights, 64, None, GemvConfig(8, 12, 2))
+
+
+@_cpu
+@pytest.mark.parametrize("kind", ["fp8", "gptq"])
+def test_few_rows_go_to_the_chosen_small_batch_kernel(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if kind == "fp8":
+        layer = _fp8_layer(24, 64)
+        module, name = "tidal_engine.kernels.triton.quant_fp8", "fp8_gemv"
+    else:
+        layer, _ = _int4_layer("gptq", 24, 128, 64, False)
+        module, name = "tidal_engine.kernels.triton.quant_int4", "int4_gemv"
+    import importlib
+
+    kernels = importlib.import_module(module)
+    calls: list[int] = []
+    original = getattr(kernels, name)
+    monkeypatch.setattr(kernels, name, lambda x, *a, **k: calls.append(x.shape[0]) or original(x, *a, **k))
+    inputs = {rows: torch.randn(rows, layer.in_features) for rows in (1, 2, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1)}
+    general = {rows: layer(x) for rows, x in inputs.items()}  # no choice made: the reference everywhere
+    assert calls == []
+    layer.gemv_config = GemvConfig(8, 32, 1)
+    assert layer(inputs[1]).shape == (1, 24) and calls == [1]
+    assert layer(inputs[2]).shape == (2, 24) and calls == [1]  # no few-row choice yet
+    layer.gemv_config_few = GemvConfig(4, 64, 1)
+    out = {rows: layer(x) for rows, x in inputs.items()}
+    assert calls == [1, 1, 2, GEMV_MAX_ROWS]  # past GEMV_MAX_ROWS: the general path
+    torch.testing.assert_close(out[GEMV_MAX_ROWS + 1], general[GEMV_MAX_ROWS + 1], rtol=0, atol=0)
+    # FP8's GEMV keeps the activations in full precision where the reference quantizes them.
+    tolerance = {"rtol": 0.05, "atol": 0.05} if kind == "fp8" else {"rtol": 1e-5, "atol": 1e-4}
+    for rows in (1, 2, GEMV_MAX_ROWS):
+        torch.testing.assert_close(out[rows], general[rows], **tolerance)
+
+
+def test_quantized_choices_survive_the_disk(tmp_path: Path) -> None:
+    path = tmp_path / "choices.json"
+    choices = {
+        (4096, 1024, torch.bfloat16, False): GEMV_CONFIGS[1],
+        (6144, 4096, "fp8r1", False): FP8_GEMV_CONFIGS[2],
+        (6144, 4096, "fp8r4", False): None,
+        (4096, 12288, "int4g128r1", True): INT4_GEMV_CONFIGS[3],
+    }
+    save_choices(path, choices)
+    assert load_choices(path, GEMV_CONFIGS) == choices
+    # A stored tile that is no longer a candidate is dropped (it gets timed again).
+    save_choices(path, {(8, 8, "int4g64r1", False): GemvConfig(3, 24, 1), (8, 8, "unknownr1", False): None})
+    assert load_choices(path, GEMV_CONFIGS) == {}
+
+
+# ---- GPU: compiled, bf16, the Qwen3-8B shapes -------------------------------------------
+QWEN3_8B_LINEARS = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)]
+
+
+@pytest.mark.gpu
+@_compiled_gpu
+@pytest.mark.parametrize("shape", QWEN3_8B_LINEARS)
+@pytest.mark.parametrize("rows", [1, GEMV_MAX_ROWS])
+def test_fp8_gemv_matches_gpu(shape: tuple[int, int], rows: int) -> None:
+    n, k = shape
+    torch.manual_seed(0)
+    q, scale = quantize_rows(torch.randn(n, k, device="cuda") * 0.02)
+    x = torch.randn(rows, k, device="cuda").to(torch.bfloat16)
+    expected = torch.nn.functional.linear(x.float(), q.float() * scale[:, None])
+    for config in FP8_GEMV_CONFIGS:
+        got = fp8_gemv(x, q, scale, None, config).float()
+        torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
+
+
+
+@pytest.mark.gpu
+@_compiled_gpu
+def test_activation_quantization_kernel_gpu() -> None:
+    torch.manual_seed(0)
+    x = (torch.randn(300, 12288, device="cuda") * 3).to(torch.bfloat16)
+    x[7] = 0
+    q_ref, s_ref = quantize_tokens(x)
+    q, s = quantize_rows_fp8(x)
+    assert q.dtype == FP8
+    torch.testing.assert_close(s, s_ref, rtol=0, atol=0)
+    assert torch.equal(q.float(), q_ref.float())
+
+
+@pytest.mark.gpu
+@_compiled_gpu
+@pytest.mark.parametrize("fmt,group,symmetric", [("awq", 128, False), ("gptq", 128, True), ("gptq", 64, False)])
+@pytest.mark.parametrize("shape", QWEN3_8B_LINEARS)
+def test_int4_kernels_match_gpu(fmt: str, group: int, symmetric: bool, shape: tuple[int, int]) -> None:
+    n, k = shape
+    layer, deq = _int4_layer(fmt, n, k, group, symmetric, device="cuda", dtype=torch.bfloat16)
+    weights = (layer.qweight, layer.scales, layer.zeros)
+    for rows in (1, GEMV_MAX_ROWS, 16, 300):
+        x = torch.randn(rows, k, device="cuda").to(torch.bfloat16)
+        expected = torch.nn.functional.linear(x.float(), deq)
+        tol = {"rtol": 2e-2, "atol": 2e-2 * expected.abs().max().item()}
+        torch.testing.assert_close(int4_gemm(x, *weights, group, None).float(), expected, **tol)
+        if rows <= GEMV_MAX_ROWS:
+            for config in INT4_GEMV_CONFIGS:
+                torch.testing.assert_close(int4_gemv(x, *weights, group, None, config).float(), expected, **tol)
+
+
+@pytest.mark.gpu
+@_compiled_gpu
+def test_choice_sets_small_batch_kernels_and_they_replay_in_a_cuda_graph() -> None:
+    from tidal_engine.kernels.gemv_choice import choose_gemv
+
+    fp8 = _fp8_layer(6144, 4096, device="cuda")
+    int4, _ = _int4_layer("awq", 4096, 4096, 128, False, device="cuda", dtype=torch.bfloat16)
+    model = torch.nn.ModuleList([fp8, int4, torch.nn.Embedding(4, 8, dtype=torch.bfloat16, device="cuda")])
+    cache: dict = {}
+    counts = choose_gemv(model, cache)
+    assert sum(counts.values()) == 2
+    assert {key[2] for key in cache} == {"fp8r1", f"fp8r{GEMV_MAX_ROWS}", "int4g128r1", f"int4g128r{GEMV_MAX_ROWS}"}
+    for layer in (fp8, int4):
+        for rows in (1, GEMV_MAX_ROWS):
+            x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
+            eager = layer(x)
+            static = x.clone()
+            layer(static)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = layer(static)
+            graph.replay()
+            torch.cuda.synchronize()
+            torch.testing.assert_close(out, eager, rtol=0, atol=0)
