@@ -36,7 +36,8 @@ dummy, no tokenizer, nothing written to disk but config.json):
                      1/2/4/8 and key tiles 32/64/128.
 Benchmarks (suite quant: weight quantization, issue 15; --load-format dummy, random weights through
 Tidal's quantizer, nothing on disk but config.json): quant_<format> for each of --quantization
-(default none,fp8): single_stream and throughput_fixed as above.
+(default none,fp8; awq/gptq: asymmetric g128 through a config.json that names the format): single_stream
+and throughput_fixed as above, and one_row_kernels (the small-batch kernel choices of layer 0).
 Benchmarks (suite sampled: the issue-13 offline sampled workloads, t=0.8, top_p=0.95, top_k=50):
   throughput_fixed_sampled   256 requests of 256 -> 128, all submitted at once.
   throughput_long_sampled    256 requests of 32 -> 512, all submitted at once.
@@ -750,19 +751,58 @@ def suite_long_decode(shape: str, root: Path, results: dict[str, Any], save: Cal
     save()
 
 
+def quantized_config_folder(shape: str, root: Path, quant: str, group_size: int = 128) -> Path:
+    """``make_config_folder`` whose config.json carries an INT4 format's quantization_config
+    (AWQ/GPTQ cannot quantize a plain checkpoint while loading; dummy weights go through Tidal's
+    quantizer instead), asymmetric, groups of 128."""
+    from tidal_engine.quantization.quantizer import quantization_config
+
+    plain = make_config_folder(shape, root)
+    folder = root / f"{shape}-config-only-{quant}-g{group_size}"
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((plain / "config.json").read_text())
+    cfg["quantization_config"] = quantization_config(quant, group_size=group_size, symmetric=False)
+    (folder / "config.json").write_text(json.dumps(cfg, indent=1))
+    (folder / "model.safetensors").write_bytes((plain / "model.safetensors").read_bytes())
+    return folder
+
+
+def one_row_kernels(llm: Any) -> dict[str, Any]:
+    """How the engine's linears run one-row and few-row inputs (kernels/gemv_choice.py): per
+    kind of layer, the chosen tile or None (cuBLAS / the format's general path)."""
+    from tidal_engine.layers.linear import LinearBase
+
+    runner = llm.engine.runner
+    chosen: dict[str, Any] = {}
+    for name, module in runner.model.named_modules():
+        if isinstance(module, LinearBase) and ".layers.0." in f".{name}.":
+            chosen[name.split(".layers.0.")[-1]] = {
+                "one_row": repr(module.gemv_config), "few_rows": repr(getattr(module, "gemv_config_few", None)),
+                "method": type(module.method).__name__,
+            }
+    return chosen
+
+
 def suite_quant(shape: str, root: Path, results: dict[str, Any], save: Callable[[], None],
                 quantizations: list[str], skip: set[str]) -> None:
     """Weight quantization (issue 15): per --quantization value, random weights through Tidal's
-    quantizer (--load-format dummy, nothing on disk but config.json), the single stream
-    128 -> 256 and the greedy 256 x (256 -> 128); then each format's ratio to the first."""
-    folder = make_config_folder(shape, root)
+    quantizer (--load-format dummy, nothing on disk but config.json; awq/gptq: a config.json
+    that names the format, asymmetric g128), the single stream 128 -> 256 and the greedy
+    256 x (256 -> 128); then each format's ratio to the first."""
     vocab = SHAPES[shape]["vocab_size"]
     for quant in quantizations:
         def run(quant: str = quant) -> dict[str, Any]:
-            llm, startup = make_llm(folder, load_format="dummy", skip_tokenizer_init=True,
-                                    quantization=None if quant == "none" else quant)
+            if quant in ("awq", "gptq"):
+                folder, flag = quantized_config_folder(shape, root, quant), None
+            else:
+                folder, flag = make_config_folder(shape, root), None if quant == "none" else quant
+            llm, startup = make_llm(folder, load_format="dummy", skip_tokenizer_init=True, quantization=flag)
             try:
                 r: dict[str, Any] = {"llm_construct_s": startup}
+                try:
+                    r["one_row_kernels"] = one_row_kernels(llm)
+                except Exception as exc:  # a report only: never lose the timings to it
+                    r["one_row_kernels"] = f"unavailable: {exc!r}"
                 r["single_stream"] = bench_single_stream(llm, shape)
                 if "throughput_fixed" not in skip:
                     counter = StepCounter(llm.engine.runner)
@@ -775,6 +815,16 @@ def suite_quant(shape: str, root: Path, results: dict[str, Any], save: Callable[
                 free_cuda()
 
         run_guarded(results, f"quant_{quant}", run, save)
+    base = results.get(f"quant_{quantizations[0]}", {})
+    for quant in quantizations[1:]:
+        other = results.get(f"quant_{quant}", {})
+        ratios: dict[str, float] = {}
+        for part, field in (("single_stream", "output_tok_s_median"), ("throughput_fixed", "output_tok_s")):
+            a, b = base.get(part, {}), other.get(part, {})
+            if isinstance(a, dict) and isinstance(b, dict) and a.get(field) and b.get(field):
+                ratios[part] = b[field] / a[field]
+        if ratios:
+            results[f"{quant}_vs_{quantizations[0]}"] = ratios
     save()
 
 
@@ -868,6 +918,10 @@ def main() -> None:
     ap.add_argument("--models", default="/tmp/tidal-bench-models")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    if os.environ.get("TIDAL_BENCH_LOG"):  # e.g. INFO: the engine's start-up choices and timings on stderr
+        import logging
+
+        logging.basicConfig(level=os.environ["TIDAL_BENCH_LOG"].upper(), format="%(asctime)s %(name)s: %(message)s")
     SKIP.update(x for x in args.skip.split(",") if x)
     KV_CACHE_DTYPES[:] = [x for x in args.kv_cache_dtype.split(",") if x]
 

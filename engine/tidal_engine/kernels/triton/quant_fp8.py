@@ -20,8 +20,8 @@ import triton.language as tl
 
 from tidal_engine.kernels.triton.gemv import GemvConfig
 
-FP8_MAX = 448.0
-MIN_SCALE = 1e-12  # an all-zero row still gets a finite scale (as quantization/fp8.py)
+FP8_MAX = tl.constexpr(448.0)
+MIN_SCALE = tl.constexpr(1e-12)  # an all-zero row still gets a finite scale (as quantization/fp8.py)
 MAX_GRID_Y = 65535
 
 # The candidates timed at start-up (kernels/gemv_choice.py): one byte a weight, so wider K tiles.
@@ -38,7 +38,7 @@ FP8_GEMV_CONFIGS: tuple[GemvConfig, ...] = (
 )
 
 
-@triton.jit(do_not_specialize=["stride_xm", "stride_om"])
+@triton.jit
 def _fp8_gemv_kernel(
     x_ptr,
     w_ptr,
@@ -98,7 +98,7 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: t
     return out
 
 
-@triton.jit(do_not_specialize=["stride_x"])
+@triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK_K: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
@@ -106,7 +106,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK_K: t
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         amax = tl.maximum(amax, tl.abs(tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)))
-    scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX, MIN_SCALE)
+    scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), FP8_MAX), MIN_SCALE)
     tl.store(s_ptr + row, scale)
     for k0 in range(0, K, BLOCK_K):  # the second read of the row comes from L1/L2
         k = k0 + tl.arange(0, BLOCK_K)
