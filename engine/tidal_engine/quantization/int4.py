@@ -156,8 +156,8 @@ class Int4LinearMethod(LinearMethod, SmallBatchKernel):
 
     def run_general(self, layer: LinearBase, x: torch.Tensor, weights: tuple[torch.Tensor, ...],
                     bias: torch.Tensor | None) -> torch.Tensor:
-        if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
-            from tidal_engine.kernels.triton.quant_int4 import int4_gemm
+        if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and self.group_size % 16 == 0:
+            from tidal_engine.kernels.triton.quant_int4 import int4_gemm  # (tl.dot needs K tiles of 16)
 
             return int4_gemm(x, *weights, self.group_size, bias)
         w = dequantize(*weights, self.group_size, x.dtype)

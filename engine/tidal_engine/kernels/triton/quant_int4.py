@@ -186,7 +186,9 @@ def _int4_gemm_kernel(
 def gemm_tiles(m: int, group_size: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for M rows: two variants only, so the
     decode graphs' many batch sizes compile no kernel inside a capture."""
-    block_k = 64 if group_size % 64 == 0 else (32 if group_size % 32 == 0 else group_size)
+    block_k = next((b for b in (64, 32, 16) if group_size % b == 0), 0)
+    if not block_k:
+        raise ValueError(f"the INT4 GEMM needs a group size that is a multiple of 16, not {group_size}")
     if m <= 16:
         return 16, 64, block_k, 4, 4
     return 64, 128, block_k, 4, 3
