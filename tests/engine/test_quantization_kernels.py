@@ -250,3 +250,52 @@ def test_choice_sets_small_batch_kernels_and_they_replay_in_a_cuda_graph() -> No
             graph.replay()
             torch.cuda.synchronize()
             torch.testing.assert_close(out, eager, rtol=0, atol=0)
+
+
+@_cpu
+def test_choice_times_quantized_layers_at_one_and_few_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The start-up choice (CPU: the interpreter, timings replaced by a fixed table) sets each
+    quantized layer's one-row and few-row kernels, keys them by format and rows, reuses a
+    stored choice, and skips a candidate whose numbers are wrong."""
+    import tidal_engine.kernels.gemv_choice as choice
+    from tidal_engine.quantization.fp8 import Fp8LinearMethod as Fp8
+    from tidal_engine.quantization.int4 import Int4LinearMethod as Int4
+
+    good, fast_but_wrong = GemvConfig(8, 64, 1), GemvConfig(4, 64, 1)
+    monkeypatch.setattr(Fp8, "gemv_candidates", (good, fast_but_wrong))
+    monkeypatch.setattr(Int4, "gemv_candidates", (good, fast_but_wrong))
+    original_fp8, original_int4 = Fp8.run_gemv, Int4.run_gemv
+
+    def broken(original):  # the (4, 64) tile returns garbage
+        def run(self, layer, x, weights, bias, config):
+            y = original(self, layer, x, weights, bias, config)
+            return y + 100.0 if config == fast_but_wrong else y
+        return run
+
+    monkeypatch.setattr(Fp8, "run_gemv", broken(original_fp8))
+    monkeypatch.setattr(Int4, "run_gemv", broken(original_int4))
+    timed: list[GemvConfig | None] = []
+
+    def fake_time(fn, weights, calls: int = 32) -> float:
+        # The general path is timed through ``lambda ws: ...``, a tile through ``lambda ws, c=tile: ...``.
+        candidate = fn.__defaults__[0] if fn.__defaults__ else None
+        timed.append(candidate)
+        return {None: 10.0, good: 5.0, fast_but_wrong: 1.0}[candidate]
+
+    monkeypatch.setattr(choice, "time_in_graph", fake_time)
+    fp8 = _fp8_layer(24, 64)
+    int4, _ = _int4_layer("gptq", 16, 128, 64, False)
+    model = torch.nn.ModuleList([fp8, int4])
+    cache: dict = {}
+    counts = choice.choose_gemv(model, cache, dtype=torch.float32)
+    assert counts == {"cublas": 0, "gemv": 2}
+    assert cache == {(24, 64, "fp8r1", False): good, (24, 64, f"fp8r{GEMV_MAX_ROWS}", False): good,
+                     (16, 128, "int4g64r1", False): good, (16, 128, f"int4g64r{GEMV_MAX_ROWS}", False): good}
+    for layer in (fp8, int4):
+        assert layer.gemv_config == good and layer.gemv_config_few == good
+    # The wrong tile was never timed: 4 keys × (general path + the good tile).
+    assert timed == [None, good] * 4
+    # A second engine with the stored choices times nothing.
+    fresh = _fp8_layer(24, 64, seed=1)
+    choice.choose_gemv(torch.nn.ModuleList([fresh]), cache, dtype=torch.float32)
+    assert len(timed) == 8 and fresh.gemv_config == good
