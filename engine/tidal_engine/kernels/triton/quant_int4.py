@@ -23,6 +23,7 @@ from tidal_engine.kernels.triton.gemv import GemvConfig
 
 PACK = 8
 MAX_GRID_Y = 65535
+FLOAT_2_23_BITS = 0x4B000000  # float32 2^23: a small integer or-ed into its mantissa reads as 2^23 + it
 
 # The candidates timed at start-up (kernels/gemv_choice.py); block_k counts weights (8 a word).
 INT4_GEMV_CONFIGS: tuple[GemvConfig, ...] = (
@@ -46,6 +47,9 @@ def _nibble_to_float(words, i):
     return (((words >> (4 * i)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
 
 
+# A word's nibble i is q * 16^(i%4) as a float after masking it in place (the upper four
+# nibbles after one shift by 16) and the 2^23 trick: a mask-or and an add per weight, then the
+# multiply-add with x_i / 16^(i%4), exact (a power of two).
 # stride_qn stays unspecialised: with the rows' alignment unknown the words load one per
 # thread, each thread then holds several rows of one word column, and the 8 activation
 # loads of a word serve all of them (with 4-word vector loads each thread would reload x
@@ -64,10 +68,12 @@ def _int4_gemv_kernel(
     stride_qn,
     stride_sn,
     stride_om,
+    magic,
     GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_W: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    EVEN: tl.constexpr,
 ):
     m = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -80,18 +86,33 @@ def _int4_gemv_kernel(
     acc = tl.zeros([BLOCK_N, BLOCK_W], tl.float32)
     for w0 in range(0, words_per_row, BLOCK_W):
         j = w0 + tl.arange(0, BLOCK_W)
-        j_ok = j < words_per_row
-        ok = row_ok[:, None] & j_ok[None, :]
-        words = tl.load(q_rows + j[None, :], mask=ok, other=0)
         group = (j * 8 // GROUP)[None, :]
-        s = tl.load(s_rows + group, mask=ok, other=0.0).to(tl.float32)
-        z = tl.load(z_rows + group, mask=ok, other=0.0).to(tl.float32)
+        if EVEN:  # no masks: N and K/8 are multiples of the tile
+            words = tl.load(q_rows + j[None, :])
+            s = tl.load(s_rows + group).to(tl.float32)
+            z = tl.load(z_rows + group).to(tl.float32)
+        else:
+            j_ok = j < words_per_row
+            ok = row_ok[:, None] & j_ok[None, :]
+            words = tl.load(q_rows + j[None, :], mask=ok, other=0)
+            s = tl.load(s_rows + group, mask=ok, other=0.0).to(tl.float32)
+            z = tl.load(z_rows + group, mask=ok, other=0.0).to(tl.float32)
+        high = words >> 16
         dot = tl.zeros([BLOCK_N, BLOCK_W], tl.float32)
         x_sum = tl.zeros([BLOCK_W], tl.float32)
         for i in tl.static_range(8):
-            x_i = tl.load(x_row + j * 8 + i, mask=j_ok, other=0.0).to(tl.float32)
-            dot += _nibble_to_float(words, i) * x_i[None, :]
+            if EVEN:
+                x_i = tl.load(x_row + j * 8 + i).to(tl.float32)
+            else:
+                x_i = tl.load(x_row + j * 8 + i, mask=j < words_per_row, other=0.0).to(tl.float32)
             x_sum += x_i
+            # Nibble i in place (times 16^(i%4)) in the mantissa; x_i carries the 16^-(i%4).
+            # ``magic`` (2^23's bits) is an argument, not a constant, so the mask and the or
+            # fuse into one three-input logic operation.
+            half = words if i < 4 else high
+            place = (half & (0xF << (4 * (i % 4)))) | magic
+            weight = place.to(tl.float32, bitcast=True) - 8388608.0
+            dot += weight * (x_i * (1.0 / (1 << (4 * (i % 4)))))[None, :]
         acc += s * (dot - z * x_sum[None, :])
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
@@ -129,10 +150,12 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
+    block_w = config.block_k // PACK
     _int4_gemv_kernel[(m, triton.cdiv(n, config.block_n))](
         x, qweight, scales, zeros, bias if bias is not None else scales, out, n, words * PACK, x.stride(0),
-        qweight.stride(0), scales.stride(0), out.stride(0), GROUP=group_size, BLOCK_N=config.block_n,
-        BLOCK_W=config.block_k // PACK, HAS_BIAS=bias is not None, num_warps=config.num_warps,
+        qweight.stride(0), scales.stride(0), out.stride(0), FLOAT_2_23_BITS, GROUP=group_size,
+        BLOCK_N=config.block_n, BLOCK_W=block_w, HAS_BIAS=bias is not None,
+        EVEN=n % config.block_n == 0 and words % block_w == 0, num_warps=config.num_warps,
     )
     return out
 
