@@ -112,6 +112,9 @@ def _choose_small_batch(module: nn.Module, cache: dict[Any, Candidate], dtype: t
                     got = method.run_gemv(module, x, weights, bias, config).float()
                 except ValueError:  # the tile does not fit this shape
                     continue
+                except Exception as exc:  # e.g. Triton out of resources on this GPU: not a candidate here
+                    logger.warning("small-batch kernel %s failed on %s: %s; not used", config, key, exc)
+                    continue
                 # The general path may quantize the activations (W8A8) where the kernel does not:
                 # this only catches a broken kernel, not a rounding difference.
                 if not torch.allclose(got, reference, rtol=0.1, atol=0.1 * reference.abs().max().item()):
