@@ -372,12 +372,14 @@ def _picklable_or_none(source: Any) -> Any:
 
 
 # ---- the worker process ----------------------------------------------------------------
-def _exit_after(outbox: "queue.Queue[Any]", push: Any, ctx: Any) -> None:
-    """Deliver what is queued (an error message), then end the process."""
+def _exit_after(outbox: "queue.Queue[Any]", push: Any, pull: Any, ctx: Any) -> None:
+    """Deliver what is queued (an error message), then end the process. Every socket is
+    closed first: ``term()`` waits for open sockets, and this rank would never exit."""
     outbox.put(None)
     outbox.join()
+    pull.close(linger=0)
     push.close(linger=5000)
-    ctx.term()
+    ctx.term()  # returns once the error message is delivered (or after the 5 s linger)
     os._exit(1)
 
 
@@ -474,7 +476,7 @@ def _worker_main(
         worker = Worker(config, source, dev, getattr(torch, dtype), rank=rank, world_size=world_size, **worker_kwargs)
     except Exception:  # noqa: BLE001
         outbox.put(ErrorMsg("startup", 0, traceback.format_exc()))
-        _exit_after(outbox, push, ctx)
+        _exit_after(outbox, push, pull, ctx)
     outbox.put(ReadyMsg(rank, os.getpid(), worker.num_kv_blocks()))
     while True:
         msg = _TO_WORKER.decode(pull.recv())
@@ -484,7 +486,7 @@ def _worker_main(
             except Exception:  # noqa: BLE001 - with one rank, this step fails and the worker keeps serving
                 outbox.put(ErrorMsg("step", msg.plan.step_id, traceback.format_exc()))
                 if world_size > 1:
-                    _exit_after(outbox, push, ctx)  # the other ranks wait in a collective this rank never joins
+                    _exit_after(outbox, push, pull, ctx)  # the other ranks wait in a collective this rank never joins
                 continue
             outbox.put((msg.plan.step_id, step))
         elif isinstance(msg, RpcMsg):
