@@ -91,6 +91,7 @@ class _Req:
     sent_blocks: int | None = None  # None: the worker has not seen it
     out: list[int] = field(default_factory=list)
     pending: int = 0  # sampled, result not taken yet
+    sent_out: int = 0  # output tokens sent to the workers (pipeline stages before the last need them)
     resumed: bool = False
     paused: bool = False
     lora_name: str | None = None
@@ -159,7 +160,9 @@ class MiniCore:
                 diff = list(req.blocks)
             else:
                 diff = req.blocks[req.sent_blocks :]
-            scheduled.append(ScheduledRequest(req.rid, req.num_computed, n, diff, samples, req.resumed))
+            new_tokens = req.out[req.sent_out :] if req.sent_blocks is not None else []
+            req.sent_out = len(req.out)
+            scheduled.append(ScheduledRequest(req.rid, req.num_computed, n, diff, samples, req.resumed, [], new_tokens))
             req.resumed = False
             req.sent_blocks = len(req.blocks)
             chunks.append((req, n, samples))

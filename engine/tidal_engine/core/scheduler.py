@@ -13,7 +13,8 @@ budgets but are admitted whole and take no KV blocks: their forward writes no ca
 cannot be chunked or preempted. The engine finishes them after their one step.
 
 Decodes go before prefill chunks so a long prompt never stalls running generations.
-When a running request cannot get blocks, the newest running request (by arrival) is preempted:
+When a running request cannot get blocks, the newest running request (by arrival; never one
+held out of the step) is preempted:
 its blocks are freed, ``num_computed_tokens`` goes back to 0 and it returns to the front of the
 waiting queue, keeping its output tokens (prompt + outputs are recomputed later; the prefix
 cache usually makes that cheap). If the request needing blocks is itself the newest, it is the
@@ -224,15 +225,19 @@ class Scheduler:
 
     # ---- one step -----------------------------------------------------------------------
     def schedule(self, hold: Collection[str] = ()) -> SchedulerOutput:
-        """Build the next step. Running requests named in ``hold`` sit it out (async
-        scheduling holds those whose in-flight token is their last)."""
+        """Build the next step. Running requests named in ``hold`` sit it out and are not
+        preempted in it (async scheduling holds those whose in-flight token is their last;
+        pipeline parallelism those in a batch still in flight, whose blocks it is writing)."""
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, ScheduledChunk] = {}  # insertion order = batch order
         preempted: list[Request] = []
 
         def preempt_newest() -> Request:
             nonlocal budget
-            victim = self.running.pop()
+            index = len(self.running) - 1
+            while self.running[index].request_id in hold:  # stops at the request asking, never held
+                index -= 1
+            victim = self.running.pop(index)
             chunk = scheduled.pop(victim.request_id, None)
             if chunk is not None:  # give back what it was granted earlier in this step
                 budget += chunk.num_new_tokens

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tidal_engine.distributed.parallel_state import get_parallel, tp_group, world_group
+from tidal_engine.distributed.parallel_state import get_parallel, tp_group
 
 
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
@@ -37,10 +37,30 @@ def tp_all_gather(x: torch.Tensor) -> torch.Tensor:
 
 
 def pp_send(tensors: list[torch.Tensor], dst_stage: int) -> None:
-    """Send the activations (same shapes on both sides) to this tensor rank of ``dst_stage``."""
+    """Send the activations (same shapes on both sides) to this tensor rank of ``dst_stage``.
+
+    On CUDA an NCCL send is queued on the stream: the host goes on at once. Gloo's send is a
+    rendezvous (it returns once the receiver has posted its receive), so on CPU the sends are
+    posted without waiting and completed before the next ones: this stage can take its next
+    micro-batch while the next stage still works on the previous one (a gloo send keeps its
+    tensor alive until it is done)."""
     dst = get_parallel().stage_rank(dst_stage)
+    wait_pp_sends()
     for t in tensors:
-        dist.send(t.contiguous(), dst=dst)
+        t = t.contiguous()
+        if t.is_cuda:
+            dist.send(t, dst=dst)
+        else:
+            _PENDING_SENDS.append(dist.isend(t, dst=dst))
+
+
+def wait_pp_sends() -> None:
+    """Wait until every activation this stage posted has been received."""
+    while _PENDING_SENDS:
+        _PENDING_SENDS.pop(0).wait()
+
+
+_PENDING_SENDS: list[dist.Work] = []
 
 
 def pp_recv(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device, src_stage: int) -> list[torch.Tensor]:
@@ -51,12 +71,3 @@ def pp_recv(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.dev
         dist.recv(t, src=src)
         out.append(t)
     return out
-
-
-def broadcast_from_last_stage(x: torch.Tensor) -> torch.Tensor:
-    """Every rank gets the last stage's ``x`` (sampled token ids under pipeline parallelism)."""
-    layout = get_parallel()
-    if layout.pp_size == 1:
-        return x
-    dist.broadcast(x, src=layout.world_size - layout.tp_size, group=world_group())
-    return x

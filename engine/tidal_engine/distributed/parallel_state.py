@@ -65,7 +65,6 @@ class ParallelLayout:
 class _State:
     layout: ParallelLayout
     tp_group: Any = None  # torch.distributed ProcessGroup of this stage's tensor ranks
-    world_group: Any = None  # every rank (sampled tokens are broadcast over it under PP)
 
 
 _STATE = _State(ParallelLayout())
@@ -77,10 +76,6 @@ def get_parallel() -> ParallelLayout:
 
 def tp_group() -> Any:
     return _STATE.tp_group
-
-
-def world_group() -> Any:
-    return _STATE.world_group
 
 
 def init_parallel(tp_size: int, pp_size: int, rank: int, backend: str, init_method: str) -> ParallelLayout:
@@ -103,7 +98,6 @@ def init_parallel(tp_size: int, pp_size: int, rank: int, backend: str, init_meth
             mine = group
     _STATE.layout = layout
     _STATE.tp_group = mine
-    _STATE.world_group = dist.group.WORLD
     return layout
 
 
@@ -120,7 +114,6 @@ def destroy_parallel() -> None:
         dist.destroy_process_group()
     _STATE.layout = ParallelLayout()
     _STATE.tp_group = None
-    _STATE.world_group = None
 
 
 def device_for_rank(device: torch.device, rank: int) -> torch.device:

@@ -13,6 +13,13 @@ N's sampled ids to N+1 on the device), and only then waits for N's ids and does 
 work while the device runs N+1. A sample that stops at N has one step computed for
 nothing; one whose N token is its last (max_tokens, the context) is held out of N+1.
 Steps with a grammar row (the next bitmask needs the token) or a LoRA row are synchronous.
+
+Pipeline parallelism (PP = p) keeps up to p batches in flight instead (vLLM's batch queue):
+each ``step()`` schedules new batches from the requests that are in none of the in-flight
+batches until p are in flight, then waits for the oldest and returns its deltas. Batches
+have distinct requests, so no batch needs another's tokens, and stage s runs batch i while
+stage s-1 runs batch i+1. The stages before the last get the sampled ids with each
+request's next chunk (``ScheduledRequest.new_token_ids``); no placeholders are used.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import importlib
 import logging
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -167,6 +175,8 @@ class EngineCore:
         # Before the workers start: a bad draft model fails fast, and a GPU draft's memory is
         # already taken when the workers read what is free.
         self.speculative = SpeculativeConfig.parse(config.speculative_config) if config.speculative_config else None
+        if self.speculative is not None and config.pipeline_parallel_size > 1:
+            raise ValueError("speculative decoding does not run with pipeline parallelism")
         self.proposer: Proposer | None = None
         if self.speculative is not None:
             self.proposer = build_proposer(
@@ -209,6 +219,17 @@ class EngineCore:
         self.spec_num_accepted_tokens = 0
         self.spec_accepted_per_pos: list[int] = [0] * (self.speculative.num_speculative_tokens if self.speculative else 0)
         self._in_flight: _Step | None = None
+        # Pipeline parallelism: up to pipeline_parallel_size batches of distinct requests in
+        # flight, oldest first; each request's output ids the stages before the last have got.
+        self.pipeline_depth = config.pipeline_parallel_size
+        self._batches: deque[_Step] = deque()
+        self._outputs_sent: dict[str, int] = {}
+        self.max_batches_in_flight = 0  # the most batches ever in flight at once (benchmarks, tests)
+        if self.pipeline_depth > 1:
+            if config.async_scheduling:
+                logger.info("pipeline parallelism keeps %d batches in flight instead of async scheduling",
+                            self.pipeline_depth)
+            self.async_scheduling = False  # placeholders would reach the stages that get ids from plans
         self.lora_manager: LoRAManager | None = getattr(self.executor, "lora_manager", None)
         if config.enable_lora and self.lora_manager is None:
             self.executor.shutdown()
@@ -380,6 +401,8 @@ class EngineCore:
         next step is already running when this returns."""
         if self._sleep_level:
             return []
+        if self.pipeline_depth > 1:
+            return self._step_pipelined()
         if self._in_flight is None:
             if self.proposer is not None:
                 self._propose()
@@ -391,6 +414,23 @@ class EngineCore:
             hold = self._advance_with_placeholders(current)
             self._in_flight = self._launch(self.scheduler.schedule(hold=hold))
         return self._complete(current)
+
+    def _step_pipelined(self) -> list[SampleDelta]:
+        """Fill the batch queue with batches of requests in no in-flight batch (until the
+        pipeline depth, or a batch that must complete first: a grammar or LoRA row), then
+        complete the oldest batch."""
+        batches = self._batches
+        while len(batches) < self.pipeline_depth and not (batches and batches[-1].synchronous):
+            in_flight = {c.request.request_id for b in batches for c in b.output.chunks}
+            output = self.scheduler.schedule(hold=in_flight)
+            step = self._launch(output, flush=not batches)
+            if step is None:
+                break
+            batches.append(step)
+            self.max_batches_in_flight = max(self.max_batches_in_flight, len(batches))
+        if not batches:
+            return []
+        return self._complete(batches.popleft())
 
     def _propose(self) -> None:
         """Drafts for the running decode rows whose sampling the verifier handles exactly."""
@@ -413,20 +453,22 @@ class EngineCore:
         for req, draft in zip(rows, drafts):
             req.spec_token_ids = draft.tolist()
 
-    def _launch(self, output: SchedulerOutput) -> _Step | None:
-        """Send a scheduled step to the workers; nothing here waits for the device."""
+    def _launch(self, output: SchedulerOutput, flush: bool = True) -> _Step | None:
+        """Send a scheduled step to the workers; nothing here waits for the device. ``flush``:
+        with nothing to run, send the finished requests' ids at once (a round trip) rather
+        than with the next plan (the batch queue does not wait while batches are in flight)."""
+        for request in output.preempted:  # even in a step left empty: they resume with new tables
+            if request.request_id in self._blocks_sent:
+                self._resumed.add(request.request_id)
         if not output.chunks and (output.kv_transfer is not None or self.scheduler.has_pending_transfers()):
             # Nothing to compute until KV transfers finish: a step that starts and waits for them.
             return _Step(output, [], self.executor.execute(self._plan(output, time.time())), True)
         if not output.chunks:
-            if self._forget:  # nothing to run, but let the workers drop finished requests
+            if self._forget and flush:  # nothing to run, but let the workers drop finished requests
                 self._flush_forgotten()
             return None
         now = time.time()
         self._max_running_seen = max(self._max_running_seen, len(output.chunks))
-        for request in output.preempted:
-            if request.request_id in self._blocks_sent:
-                self._resumed.add(request.request_id)
         plan = self._plan(output, now)
         sampling_chunks = [c for c in output.chunks if c.samples]
         synchronous = bool(plan.grammar_bitmasks) or any(c.request.lora_name is not None for c in output.chunks)
@@ -462,8 +504,13 @@ class EngineCore:
             else:
                 new_blocks = chunk.block_ids[sent:]
             self._blocks_sent[rid] = len(chunk.block_ids)
+            new_token_ids: list[int] = []
+            if self.pipeline_depth > 1:  # the stages before the last learn the sampled ids here
+                sent_out = self._outputs_sent.get(rid, 0)
+                new_token_ids = req.output_token_ids[sent_out:]
+                self._outputs_sent[rid] = req.num_output_tokens
             scheduled.append(ScheduledRequest(rid, req.num_computed_tokens, chunk.num_new_tokens, new_blocks,
-                                              chunk.samples, resumed, list(chunk.draft_token_ids)))
+                                              chunk.samples, resumed, list(chunk.draft_token_ids), new_token_ids))
             if chunk.samples and sample.grammar is not None:
                 bitmasks[rid] = sample.grammar.bitmask_bytes()
         forget, self._forget = self._forget, []
@@ -615,6 +662,7 @@ class EngineCore:
         if self._blocks_sent.pop(rid, None) is not None:
             self._forget.append(rid)
         self._resumed.discard(rid)
+        self._outputs_sent.pop(rid, None)
 
     def _end_parent(self, parent: _Parent) -> None:
         if self._parents.pop(parent.request_id, None) is None:
@@ -623,11 +671,13 @@ class EngineCore:
             self.lora_manager.release(parent.lora_name)
 
     def settle(self) -> None:
-        """Wait for a step still in flight and drop its tokens (only steps whose requests are
-        all gone are left in flight between calls, so nothing is lost)."""
+        """Wait for the steps still in flight and drop their tokens (called with no request
+        left: only steps whose requests are all gone are in flight then, so nothing is lost)."""
         step, self._in_flight = self._in_flight, None
         if step is not None:
             self._complete(step)
+        while self._batches:
+            self._complete(self._batches.popleft())
         if self._forget:
             self._flush_forgotten()
 

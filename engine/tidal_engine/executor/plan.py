@@ -4,7 +4,9 @@ Workers never see live scheduler objects. A request reaches them once, as ``NewR
 (its prompt, sampling options and blocks); after that each step carries only diffs:
 which requests run, how many tokens each computes from where, the blocks appended since
 the last step, and which requests are gone. Workers keep each request's token history
-themselves (prompt plus the tokens they sampled), so the core never sends tokens back.
+themselves (prompt plus the tokens they sampled), so the core never sends tokens back;
+the one exception is pipeline parallelism, where the stages before the last, which do not
+sample, get each request's new ids with its next scheduled chunk (``new_token_ids``).
 """
 
 from __future__ import annotations
@@ -63,6 +65,11 @@ class ScheduledRequest(msgspec.Struct, frozen=True, array_like=True):
     # Speculative decoding: the chunk's last len(draft_token_ids) tokens are these drafts (not in
     # the history); the worker verifies them and returns 1..len+1 tokens.
     draft_token_ids: list[int] = []
+    # Pipeline parallelism: the tokens the request sampled since the core last scheduled it.
+    # Only the last stage samples; the stages before it learn the ids here, from the core,
+    # so no stage waits for another's sampling (several micro-batches in flight). The last
+    # stage, which recorded them itself, ignores them.
+    new_token_ids: list[int] = []
 
 
 class StepPlan(msgspec.Struct, frozen=True):

@@ -528,10 +528,10 @@ class ModelRunner:
         self, step: StepInput, width: int, sample_req_ids: list[str], grammar_bitmasks: dict[str, bytes] | None
     ) -> SampledTokens | None:
         """One pipeline stage's share of a step (eager): take the previous stage's activations,
-        run this stage's layers, hand them on; the last stage samples, and every stage gets the
-        sampled ids (the first feeds them to the next step; all keep the histories)."""
-        from tidal_engine.distributed.comm import broadcast_from_last_stage, pp_recv, pp_send
-        from tidal_engine.runner.sampler import SampledTokens
+        run this stage's layers, hand them on; the last stage samples. The stages before it
+        return None at once: they never wait for the sampled ids (the engine core sends them
+        with each request's next chunk), so they can run the next micro-batch meanwhile."""
+        from tidal_engine.distributed.comm import pp_recv, pp_send
 
         bucket = self._graph_bucket(step, width)  # decode steps replay this stage's graph
         layout, staged = self._stage(step, width, bucket)
@@ -550,22 +550,15 @@ class ModelRunner:
             out = model(ids, positions, self.kv_caches, meta, intermediate)
         if not model.is_last_stage:
             pp_send(list(out), pp.pp_rank + 1)
+            return None
         if not layout.num_samples:
             return None
-        if model.is_last_stage:
-            if bucket is not None:  # the graph gave the logits of every (padded) row
-                a, b = layout.offsets()["sample_rows"]
-                logits = out.index_select(0, staged[a:b])
-            else:
-                logits = model.compute_logits(out.index_select(0, sample_rows))
-            sampled = self._sample(logits, layout, staged, sample_req_ids, grammar_bitmasks)
-            broadcast_from_last_stage(sampled.device_ids.view(-1).long().contiguous())
-            return sampled
-        ids_out = torch.empty(layout.num_samples, dtype=torch.long, device=self.device)
-        broadcast_from_last_stage(ids_out)
-        a, b = layout.offsets()["sampled_rows"]
-        self.batch.last_sampled_dev.index_copy_(0, staged[a:b], ids_out)
-        return SampledTokens(ids_out)
+        if bucket is not None:  # the graph gave the logits of every (padded) row
+            a, b = layout.offsets()["sample_rows"]
+            logits = out.index_select(0, staged[a:b])
+        else:
+            logits = model.compute_logits(out.index_select(0, sample_rows))
+        return self._sample(logits, layout, staged, sample_req_ids, grammar_bitmasks)
 
     def _sample(
         self,

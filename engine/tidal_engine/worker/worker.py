@@ -16,6 +16,11 @@ one token past a request's history (``num_computed_tokens + num_new_tokens == le
 last, which is not on the host yet: the runner feeds it on the device from the persistent
 batch's last sampled ids. Results are taken in order: ``result()`` of a step first takes
 the results of the steps before it, so histories always grow in order.
+
+Pipeline parallelism: only the last stage samples. The stages before it take each
+request's sampled ids from the plan that next schedules it (``new_token_ids``), so they
+never wait for the last stage and run the next micro-batch while it works on this one;
+their ``result()`` only waits for their own share of the device work.
 """
 
 from __future__ import annotations
@@ -23,17 +28,20 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
+from tidal_engine.distributed.parallel_state import get_parallel
 from tidal_engine.executor.base import PendingStep
 from tidal_engine.executor.plan import NewRequest, SampledLogprobs, SamplingOptions, StepPlan, StepResult
 from tidal_engine.kv_transfer.factory import create_worker_connector
 from tidal_engine.runner.input_buffers import StepInput
 from tidal_engine.runner.model_runner import ModelRunner, SamplerFactory
 from tidal_engine.runner.prompt_logprobs import PromptLogprobsJob
+
+StepObserver = Callable[[int, int], None]  # (rank, step_id), after the step is launched on that rank
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +111,22 @@ class WorkerStep(PendingStep):
             return self._result
 
 
+class _StageDone:
+    """A pipeline stage before the last: its step gives no ids; ``result()`` waits for the
+    stage's own device work (a CUDA event; on CPU the work is done when ``execute`` returns)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._event: Any = None
+        if device.type == "cuda":
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def result(self) -> tuple[list[int], list[None]]:
+        if self._event is not None:
+            self._event.synchronize()
+        return [], []
+
+
 class Worker:
     def __init__(
         self,
@@ -113,12 +137,17 @@ class Worker:
         rank: int = 0,
         world_size: int = 1,
         sampler_factory: SamplerFactory | None = None,
+        step_observer: StepObserver | None = None,
     ) -> None:
+        """``step_observer``: called on this rank's thread right after each step is launched (tests
+        watch the pipeline with it: a stage can hold a step until another stage got further)."""
         self.config = config
         self.device = device
         self.rank = rank
         self.world_size = world_size
         self.runner = ModelRunner(config, source, device, dtype, sampler_factory=sampler_factory)
+        self._samples_here = get_parallel().is_last_stage  # stages before the last get the ids from plans
+        self._step_observer = step_observer
         self.batch = self.runner.batch
         self._requests: dict[str, _ReqState] = {}
         self._last_step: WorkerStep | None = None  # the newest step whose result is not taken
@@ -134,6 +163,9 @@ class Worker:
 
     # ---- steps -----------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> WorkerStep:
+        if not self._samples_here:
+            with self._lock:
+                self._record_plan_tokens(plan)
         if self._last_step is not None and self._behind(plan):
             # The core took step N's result from the driver and scheduled on it; this rank has
             # not taken N's tokens into its histories yet (a non-driver rank's sender thread
@@ -147,6 +179,25 @@ class Worker:
             if plan.kv_transfer is not None and self.kv_connector is not None:
                 self.kv_connector.start(plan.kv_transfer)  # before the forward: copies overlap it
             return self._launch(plan)
+
+    def _record_plan_tokens(self, plan: StepPlan) -> None:
+        """A stage before the last: take the ids the last stage sampled for the scheduled requests."""
+        one_rows: list[int] = []
+        one_ids: list[int] = []
+        for s in plan.scheduled:
+            if not s.new_token_ids:
+                continue
+            state = self._requests.get(s.req_id)
+            if state is None:
+                raise KeyError(f"step {plan.step_id}: request {s.req_id!r} is unknown to the worker")
+            if len(s.new_token_ids) == 1:
+                one_rows.append(state.row)
+                one_ids.append(s.new_token_ids[0])
+            else:
+                for t in s.new_token_ids:
+                    self.batch.append_tokens(np.array([state.row]), [t])
+        if one_rows:
+            self.batch.append_tokens(np.array(one_rows, dtype=np.int64), one_ids)
 
     def _behind(self, plan: StepPlan) -> bool:
         """Whether a chunk of ``plan`` ends more than one token past what this rank has recorded."""
@@ -214,13 +265,14 @@ class Worker:
                 batch.ensure_token_capacity(known_i + nd)
                 batch.token_ids[row, known_i : known_i + nd] = s.draft_token_ids
                 num_drafts[i] = nd
-            if s.samples:
+            if s.samples and self._samples_here:
                 sampling_states.append(state)
                 drafts.append(list(s.draft_token_ids))
         if not n:
             step = WorkerStep(self, plan.step_id, None, [], self._last_step)
             step.idle = True
             self._last_step = step
+            self._observe(plan.step_id)
             return step
         ends = starts + q_lens - num_drafts
         known = batch.num_tokens[rows]
@@ -236,17 +288,24 @@ class Worker:
             lora_chunks = [
                 _LoRAChunk(_LoRARequest(requests[s.req_id].lora_name), s.num_new_tokens) for s in plan.scheduled
             ]
-        sample_ids = [st.req_id for st in sampling_states]
+        sample_ids = [s.req_id for s in plan.scheduled if s.samples]
         prompt_job = self._prompt_logprobs_job(plan, step_input) if self._num_prompt_logprobs_requests else None
         sampled = self.runner.execute(step_input, sample_ids, plan.grammar_bitmasks or None, lora_chunks,
                                       drafts if step_input.num_drafts is not None else None,
                                       prompt_job or None)
+        if not self._samples_here:
+            sampled = _StageDone(self.device)  # the last stage samples; this stage's work is queued
         for st in sampling_states:
             st.unrecorded += 1
         step = WorkerStep(self, plan.step_id, sampled, sampling_states, self._last_step)
         step.prompt_job = prompt_job or None
         self._last_step = step
+        self._observe(plan.step_id)
         return step
+
+    def _observe(self, step_id: int) -> None:
+        if self._step_observer is not None:
+            self._step_observer(self.rank, step_id)
 
     def _prompt_logprobs_job(self, plan: StepPlan, step: StepInput) -> PromptLogprobsJob:
         """The prompt positions this step computes for requests with prompt_logprobs: the
