@@ -11,6 +11,17 @@ Benchmarks (the offline ``LLM``, greedy, EOS ignored, random token prompts, as g
                   output tok/s and the decode-only rate.
   throughput      256 requests of 256 -> 128, all submitted at once: output tok/s.
 
+``--summarize DIR``: no benchmark; reads DIR's ``parallel-<shape>-tp<T>-pp<P>.json`` files and
+writes ``DIR/summary.json`` (and prints it): each configuration's output tok/s and its ratio to
+the same shape at TP=1 × PP=1, which is the issue's TP=2 vs TP=1 and PP=2 vs PP=1 figure. The
+PP comparison on two GPUs, in one command (docs/parallelism.md):
+
+    CONFIGS="qwen3-8b:1:1 qwen3-8b:1:2" TEST_FILES=tests/engine/test_tensor_parallel_gpu.py SERVE=0 \
+        bash benchmarks/run_parallel_h200.sh
+
+``max_batches_in_flight`` in each result: the most batches the engine core had in flight at once
+(pipeline parallelism keeps up to PP; 1 otherwise).
+
 ``--dummy``: random weights made on the device (``load_format="dummy"``), for shapes whose
 checkpoint would take minutes to write (Qwen3-32B: 65 GB); the folder then holds the
 config, the tokenizer and one tiny safetensors file. Otherwise the weights are the random
@@ -71,19 +82,50 @@ def bench_throughput(llm: Any, shape: str) -> dict[str, Any]:
     stats = llm.engine.get_stats()
     return {"requests": 256, "input_tokens": 256 * 256, "output_tokens": n_out, "elapsed_s": elapsed,
             "output_tok_s": n_out / elapsed, "total_tok_s": (256 * 256 + n_out) / elapsed,
-            "max_running": stats.max_num_running_seen, "preemptions": stats.num_preemptions}
+            "max_running": stats.max_num_running_seen, "preemptions": stats.num_preemptions,
+            "max_batches_in_flight": llm.engine.core.max_batches_in_flight}
+
+
+def summarize(folder: Path) -> dict[str, Any]:
+    """Output tok/s per configuration and its ratio to TP=1 × PP=1 of the same shape."""
+    rows: dict[str, dict[str, Any]] = {}
+    for path in sorted(folder.glob("parallel-*-tp*-pp*.json")):
+        r = json.loads(path.read_text())
+        row: dict[str, Any] = {"shape": r["shape"]["name"], "tp": r["tensor_parallel_size"],
+                               "pp": r["pipeline_parallel_size"], "commit": r.get("commit")}
+        for bench in ("single_stream", "throughput"):
+            got = r.get(bench) or {}
+            tok_s = got.get("output_tok_s_median", got.get("output_tok_s"))
+            if tok_s is not None:
+                row[f"{bench}_output_tok_s"] = tok_s
+        rows[path.stem] = row
+    for row in rows.values():
+        base = rows.get(f"parallel-{row['shape']}-tp1-pp1")
+        for bench in ("single_stream", "throughput"):
+            key = f"{bench}_output_tok_s"
+            if base is not None and key in row and key in base:
+                row[f"{bench}_vs_tp1_pp1"] = row[key] / base[key]
+    return rows
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", choices=sorted(gpu_bench.SHAPES), required=True)
+    ap.add_argument("--summarize", metavar="DIR", help="write DIR/summary.json from DIR's results; no benchmark")
+    ap.add_argument("--shape", choices=sorted(gpu_bench.SHAPES))
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--dummy", action="store_true")
     ap.add_argument("--skip", default="")
     ap.add_argument("--models", default="/tmp/tidal-bench-models")
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out")
     args = ap.parse_args()
+    if args.summarize:
+        summary = summarize(Path(args.summarize))
+        (Path(args.summarize) / "summary.json").write_text(json.dumps(summary, indent=1))
+        print(json.dumps(summary, indent=1))
+        return
+    if not args.shape or not args.out:
+        ap.error("--shape and --out are required (or --summarize DIR)")
     skip = set(filter(None, args.skip.split(",")))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

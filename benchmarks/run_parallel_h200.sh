@@ -5,6 +5,9 @@
 #
 #   run(kind="nvidia-h200-x2", command="bash benchmarks/run_parallel_h200.sh", carry=[".whl"])
 #
+# PP=2 vs PP=1 (several micro-batches in flight), one command:
+#   CONFIGS="qwen3-8b:1:1 qwen3-8b:1:2" TEST_FILES=tests/engine/test_tensor_parallel_gpu.py SERVE=0 bash benchmarks/run_parallel_h200.sh
+#
 # Knobs: CONFIGS (shape:tp:pp[:dummy] ...), TEST_FILES, SERVE=1 (served benchmark at TP=2 on qwen3-8b, greedy
 # workload), TESTS=1, T_CONFIG=200 (limit per configuration, seconds). Results in $OUT (at most 8 files).
 set -u
@@ -40,4 +43,5 @@ if [ "$SERVE" = 1 ]; then
       OUT="$OUT" bash benchmarks/run_serve_h200.sh > /dev/null 2>&1
   echo "served exit $?"; tail -n 20 "$OUT/run_serve.log"
 fi
+$PY benchmarks/parallel_bench.py --summarize "$OUT" | tail -n 40  # ratios to TP=1 × PP=1 → $OUT/summary.json
 stamp "done"
