@@ -246,6 +246,23 @@ def test_preempts_newest_and_requeues_at_front() -> None:
     assert late.output_token_ids == reference_output([9, 9], 2)
 
 
+def test_a_held_request_is_never_preempted() -> None:
+    # As above, but the newest request is held (pipeline parallelism: its batch is still in
+    # flight, writing its blocks): the request that needs a block gives up its own instead.
+    h = Harness(num_blocks=4, block_size=4, max_num_batched_tokens=64, max_model_len=16)
+    old = h.add("old", [1, 2, 3, 4], max_tokens=10, arrival_time=1.0)
+    new = h.add("new", [5, 6, 7, 8], max_tokens=10, arrival_time=2.0)
+    for _ in range(5):
+        h.step()  # both decoding, 2 blocks each, cache full
+    out = h.scheduler.schedule(hold={"new"})  # position 8 needs a third block for "old"
+    assert out.preempted == [old] and not out.chunks
+    assert new.status == RequestStatus.RUNNING and len(h.kv.get_block_ids("new")) == 2
+    assert old.status == RequestStatus.PREEMPTED and old.num_computed_tokens == 0
+    h.run()  # once nothing is held, both finish with the right tokens
+    assert old.output_token_ids == reference_output([1, 2, 3, 4], 10)
+    assert new.output_token_ids == reference_output([5, 6, 7, 8], 10)
+
+
 def test_preempting_a_request_scheduled_earlier_in_the_step_refunds_its_tokens() -> None:
     # Decodes are scheduled before prefill chunks, so an older request's chunk can need the
     # blocks of a newer request that already got its decode token this step.

@@ -209,6 +209,7 @@ def test_pipeline_stages_give_tp1_tokens_and_logprobs(
     staged = _llm(folder, tensor_parallel_size=tp, pipeline_parallel_size=pp, **options)
     try:
         _assert_same(reference, _generate(staged, PROMPTS, GREEDY))
+        assert staged.engine.core.max_batches_in_flight == pp  # micro-batches (test_pipeline_parallel.py)
     finally:
         staged.engine.shutdown()
 
