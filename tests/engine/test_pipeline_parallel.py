@@ -8,6 +8,8 @@ next chunk. What is checked, against a PP=1 engine with the same options:
   prefix-cache hits, n > 1, a grammar, and more requests than one batch holds;
 - a request aborted while its batch is in flight ends cleanly, the others are unaffected,
   and every rank forgets it;
+- the batch queue itself (a model-free worker): consecutive batches share no request, and a
+  uniform workload settles into two equal halves;
 - two batches are really in the pipeline at once: the last stage holds its first step
   until the first stage has launched the next one (events between the worker processes;
   if the first stage could not run batch i+1 before the last stage finished batch i, the
@@ -142,6 +144,14 @@ def _run(core: EngineCore, requests: list[tuple[str, list[int], SamplingParams]]
     return tokens
 
 
+def _drain(core: EngineCore) -> dict[tuple[str, int], list[int]]:
+    tokens: dict[tuple[str, int], list[int]] = {}
+    while core.has_unfinished_requests():
+        for delta in core.step():
+            tokens.setdefault((delta.request_id, delta.index), []).extend(delta.new_token_ids)
+    return tokens
+
+
 def _in_flight(core: EngineCore, request_id: str) -> bool:
     return any(c.request.request_id.split("#")[0] == request_id for b in core._batches for c in b.output.chunks)
 
@@ -160,6 +170,30 @@ def test_two_batches_are_in_the_pipeline_at_once(pp2: EngineCore, hold: HoldLast
     assert pp2.max_batches_in_flight == 2
     while pp2.has_unfinished_requests():
         pp2.step()
+
+
+def test_the_batch_queue_splits_a_uniform_workload_in_two(model_dir: Path) -> None:
+    # Model-free (the scripted worker answers at once): 32 equal requests at PP=2. Each batch
+    # is scheduled while the previous one is in flight, so consecutive batches share no
+    # request, and the decodes settle into two halves of 16 (the shape of the GPU benchmark).
+    from scripted_executor import ScriptedExecutor, expected_tokens
+
+    config = EngineConfig(model=str(model_dir), device="cpu", dtype="float32", max_model_len=256, block_size=16,
+                          num_gpu_blocks_override=512, max_num_seqs=32, max_num_batched_tokens=512,
+                          skip_tokenizer_init=True, pipeline_parallel_size=2)
+    executor = ScriptedExecutor(config)
+    core = EngineCore(config, executor=executor)
+    prompts = {f"r{i}": [50 + i] * 64 for i in range(32)}
+    for rid, prompt in prompts.items():
+        core.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+    tokens = _drain(core)
+    assert tokens == {(rid, 0): expected_tokens(prompt, 16) for rid, prompt in prompts.items()}
+    batches = [{s.req_id for s in p.scheduled} for p in executor.plans if p.scheduled]
+    assert all(not (a & b) for a, b in zip(batches, batches[1:]))
+    decode_only = [p for p in executor.plans if p.scheduled and all(s.num_new_tokens == 1 for s in p.scheduled)]
+    assert max(len(p.scheduled) for p in decode_only) == 16
+    assert sum(len(p.scheduled) == 16 for p in decode_only) >= 2 * 12  # most of each half's 15 decode steps
+    assert core.max_batches_in_flight == 2
 
 
 def test_pp2_micro_batches_equal_pp1(reference: EngineCore, pp2: EngineCore) -> None:
