@@ -201,11 +201,15 @@ def test_activation_quantization_kernel_gpu() -> None:
     torch.manual_seed(0)
     x = (torch.randn(300, 12288, device="cuda") * 3).to(torch.bfloat16)
     x[7] = 0
-    q_ref, s_ref = quantize_tokens(x)
+    _, s_ref = quantize_tokens(x)
     q, s = quantize_rows_fp8(x)
     assert q.dtype == FP8
-    torch.testing.assert_close(s, s_ref, rtol=0, atol=0)
-    assert torch.equal(q.float(), q_ref.float())
+    # The kernel divides absmax by 448 exactly; torch on CUDA multiplies by 1/448, which is
+    # one ulp off in about 2 rows of 3 (seen on the H200, 2026-12-01): scales agree to 1 ulp,
+    # and the e4m3 values are exactly those of x divided by the kernel's scales.
+    torch.testing.assert_close(s, s_ref, rtol=2.5e-7, atol=0)
+    expected = (x.float() / s).clamp(-448.0, 448.0).to(FP8)
+    assert torch.equal(q.float(), expected.float())
 
 
 @pytest.mark.gpu
