@@ -411,3 +411,48 @@ def test_decode_launch_one_program_per_sequence(num_splits: int) -> None:
     b = make_batch([1, 0, 1, 1, 0], [1, 0, 200, 129, 0], 4, 2, 128, 16, torch.float32, seed=6, pad_tokens=3,
                    poison_unused=True)
     check(b, 128**-0.5, torch.float32, num_splits=num_splits)
+
+
+class _GridSpy:
+    """Stands in for the attention kernel: records each launch's grid, then launches."""
+
+    def __init__(self, kernel: object) -> None:
+        self.kernel = kernel
+        self.grids: list[tuple[int, ...]] = []
+
+    def __getitem__(self, grid: tuple[int, ...]) -> object:
+        self.grids.append(tuple(grid))
+        return self.kernel[grid]  # type: ignore[index]
+
+
+@cpu_only
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_multi_query_decode_launch(num_splits: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Verify rows of speculative decoding: up to k + 1 = 5 queries per sequence, causal among
+    # themselves, over a cached context; slots with no query and padding rows as in a verify
+    # graph. Five queries x GQA group 4 fit one 32-row tile (8 queries), so the launch is one
+    # program per sequence, and it equals both the reference and the searching launch with
+    # the same tiles, bit for bit.
+    spy = _GridSpy(pa._paged_attention_kernel)
+    monkeypatch.setattr(pa, "_paged_attention_kernel", spy)
+    q_lens, seq_lens = [5, 0, 3, 5, 1], [37, 0, 150, 5, 20]
+    b = make_batch(q_lens, seq_lens, 8, 2, 32, 16, torch.float32, seed=12, pad_tokens=4, poison_unused=True)
+    out = check(b, 32**-0.5, torch.float32, block_m=32, num_splits=num_splits)
+    assert spy.grids == [(len(q_lens), 2, num_splits)]
+    searched = torch.full_like(b.query, 7.0)
+    paged_attention(b.query, b.kv_cache, b.block_tables, b.seq_lens, b.query_start_loc, 32**-0.5, 9, out=searched,
+                    block_m=32, num_splits=num_splits)  # 9 queries > one tile: the tile search
+    assert spy.grids[-1] == (b.query.shape[0] // 8 + len(q_lens), 2, num_splits)
+    assert torch.equal(out, searched)
+
+
+@pytest.mark.parametrize("batch", [1, 64])
+@gpu_only
+def test_multi_query_decode_gpu(batch: int) -> None:
+    # The verify step of the 8B shape (32 heads over 8 KV heads, head_dim 128, k = 4), at the
+    # default tiles and splits, against the reference.
+    dtype = torch.bfloat16
+    seq_lens = [s + 5 for s in _contexts(batch)]
+    q_lens = [5 - (i % 3 == 2) * 2 for i in range(batch)]  # some rows with fewer drafts
+    b = make_batch(q_lens, seq_lens, 32, 8, 128, 16, dtype, "cuda", seed=40 + batch, pad_tokens=5)
+    check(b, 128**-0.5, dtype)

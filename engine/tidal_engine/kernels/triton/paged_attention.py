@@ -18,8 +18,12 @@ each sequence at least ``ceil(q_len / BLOCK_Q)`` ids, so ``T // BLOCK_Q + num_se
 programs cover every batch and the kernel finds its sequence by a binary search over
 ``query_start_loc``. The grid then depends only on (T, num_seqs), with no host-side
 per-step index array (and so it stays usable under CUDA-graph capture). Programs past
-their sequence's last query return at once. A decode-only launch (``max_query_len <= 1``)
-skips the search: program i serves sequence i, and the grid is ``num_seqs``.
+their sequence's last query return at once. A decode launch skips the search: program i
+serves sequence i, and the grid is ``num_seqs``. That holds whenever every query fits one
+tile (``max_query_len <= BLOCK_Q``): plain decodes (one query each) and the multi-query
+decode rows of speculative decoding's verify steps (``k + 1`` queries each: the known last
+token and the drafts, causal among themselves), which then cost one decode program per row
+and KV head instead of a search and spare tiles.
 
 Split-KV ("flash-decoding"). A small batch gives few programs (one decode of 8 KV heads:
 8), each walking its whole context serially. With ``num_splits > 1`` the grid gains a third
@@ -105,7 +109,7 @@ def _paged_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     SPLIT: tl.constexpr,  # num_splits > 1: partial results to the scratch, else straight to out
     KV_FP8: tl.constexpr,  # the cache is fp8: widen K/V tiles to q's dtype, scale the output by v_scale
-    DECODE: tl.constexpr,  # every query length is 0 or 1: program i is sequence i's (only) tile
+    DECODE: tl.constexpr,  # every query length is <= BLOCK_Q: program i is sequence i's (only) tile
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -385,7 +389,8 @@ def paged_attention(
     step) and ``query_start_loc [S+1]`` (cumulative query lengths) describe the batch; the
     cache must already hold this step's keys/values. ``max_query_len`` only picks tile
     sizes, the split count and the decode launch (so it must not be below the longest query;
-    at most 1 gives one program per sequence). Returns ``out [T, H, D]`` (allocated if not given) in query's dtype; rows past
+    a value that fits one query tile, as 1 or a verify step's ``k + 1``, gives one program
+    per sequence). Returns ``out [T, H, D]`` (allocated if not given) in query's dtype; rows past
     ``query_start_loc[-1]`` (padding) are left untouched. ``block_m``/``block_n`` override
     the tile sizes (powers of two, ``block_m >= H // Hkv``, both >= 16). ``num_splits``
     (1..MAX_SPLITS) overrides the KV split count; None picks it from the launch's shape
@@ -449,8 +454,9 @@ def paged_attention(
         )
     elif not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
-    decode = max_query_len <= 1
-    if decode and num_splits == 1 and not kv_fp8 and head_dim <= 128:
+    # Every query fits one tile: one program per sequence (a plain or a multi-query decode).
+    decode = max(1, max_query_len) <= block_q
+    if max_query_len <= 1 and num_splits == 1 and not kv_fp8 and head_dim <= 128:
         # A large decode batch: 128-key tiles in two stages (on an H200, 256 rows x 320 keys of
         # the 8B shape: 116 us per layer against 140 with 64 keys in three stages).
         block_n = block_n or 128
