@@ -75,7 +75,8 @@ def test_ngram_batch_equals_rows_one_by_one() -> None:
 
 
 # ---- rejection sampler -------------------------------------------------------------------
-def test_greedy_rows_emit_the_argmax_chain() -> None:
+@pytest.mark.parametrize("all_greedy", [False, True], ids=["general", "greedy-only"])
+def test_greedy_rows_emit_the_argmax_chain(all_greedy: bool) -> None:
     gen = torch.Generator().manual_seed(0)
     rows, k, vocab = 200, 4, 7
     logits = torch.randn(rows, k + 1, vocab, generator=gen)
@@ -83,8 +84,10 @@ def test_greedy_rows_emit_the_argmax_chain() -> None:
     # Drafts: the argmax with random corruption, so every acceptance length occurs.
     drafts = torch.where(torch.rand(rows, k, generator=gen) < 0.8, argmax[:, :k], torch.randint(0, vocab, (rows, k), generator=gen))
     num_drafts = torch.randint(0, k + 1, (rows,), generator=gen)
-    tokens, emitted = rejection_sample(logits.softmax(-1), drafts, num_drafts, torch.ones(rows, dtype=torch.bool),
-                                       generator=gen)
+    # The greedy-only path reads raw logits (only their argmax matters).
+    target = logits if all_greedy else logits.softmax(-1)
+    tokens, emitted = rejection_sample(target, drafts, num_drafts, torch.ones(rows, dtype=torch.bool),
+                                       generator=gen, all_greedy=all_greedy)
     for r in range(rows):
         expected = []
         for j in range(int(num_drafts[r]) + 1):  # what decoding without speculation emits
@@ -179,3 +182,22 @@ def test_reference_attention_verifies_several_queries_per_decode_row() -> None:
     for j in range(5):  # the verify row's query j sees the keys up to position 32 + j
         alone = backend.forward(query[1 + j : 2 + j], cache, meta([1], [33 + j], [1]), 0.3)
         torch.testing.assert_close(mixed[1 + j], alone[0])
+
+
+def test_verify_graph_buckets() -> None:
+    # One graph per decode batch size B, of B * (k + 1) tokens; a step fits the smallest B that
+    # holds its rows when no row has more than k + 1 tokens (else the mixed graphs or eager).
+    from tidal_engine.runner.mixed_graphs import VerifyGraphs
+
+    graphs = VerifyGraphs(None, [], [1, 2, 4, 8], 5, 16, torch.device("cpu"))  # type: ignore[arg-type]
+    assert graphs.token_sizes == [5, 10, 20, 40]
+    assert [graphs.seqs_for(t) for t in graphs.token_sizes] == [1, 2, 4, 8]
+    assert graphs.max_query_len(40) == 5
+    assert graphs.bucket_for_step(5, 1, 3) == 5
+    assert graphs.bucket_for_step(1, 3, 3) == 20  # plain decodes fit too
+    assert graphs.bucket_for_step(5, 8, 16) == 40
+    assert graphs.bucket_for_step(6, 1, 3) is None  # a longer chunk
+    assert graphs.bucket_for_step(5, 9, 3) is None  # more rows than the largest graph
+    assert graphs.bucket_for_step(5, 2, 17) is None  # a wider block table than captured
+    with pytest.raises(ValueError, match="at least 2"):
+        VerifyGraphs(None, [], [1], 1, 16, torch.device("cpu"))  # type: ignore[arg-type]

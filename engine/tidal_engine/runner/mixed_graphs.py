@@ -18,6 +18,12 @@ The graph returns the final hidden states ``[T, hidden]``; the runner picks the 
 and runs the LM head outside (logits of all T rows would cost a vocabulary-wide GEMM).
 The attention tiles are the prefill ones (chosen from ``max_query_len = T``): any tile
 computes any batch, so one graph serves every step of its bucket.
+
+``VerifyGraphs`` are the same kind of graph for speculative decoding's verify steps: bucket
+``T = B * (k + 1)`` tokens over ``B`` sequence slots, each row at most ``k + 1`` query tokens
+(its last known token and its drafts). Their ``max_query_len`` is ``k + 1``, so the attention
+takes the multi-query decode launch (one program per row and KV head) instead of prefill tiles.
+They share the mixed graphs' memory pool when both are captured (never replayed at once).
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ class _Graph:
 
 
 class MixedGraphs:
+    kind = "mixed-step"
     # An eager run before every capture (True), or before the first, largest, only (False): one
     # warm-up loads and compiles the kernels; the others cost start-up time and changed nothing
     # (H200, 8B shape: each replay equal to an eager run, bit for bit, also with an empty cache).
@@ -67,6 +74,7 @@ class MixedGraphs:
             self.seqs_for(self.token_sizes[-1]), max_blocks_per_seq, dtype=torch.int64, device=device
         )
         self.graphs: dict[int, _Graph] = {}
+        self.pool: tuple[int, int] | None = None
         self.capture_seconds = 0.0
         self.num_replays = 0
 
@@ -90,6 +98,10 @@ class MixedGraphs:
         start, end = packed_offsets(t, self.seqs_for(t), 0, 0)[name]
         return self.scalars[start:end]
 
+    def max_query_len(self, t: int) -> int:
+        """The attention's query-length bound in bucket ``t``: any, so the prefill tiles."""
+        return t
+
     def _forward(self, t: int) -> torch.Tensor:
         s = self.seqs_for(t)
         meta = AttentionMetadata(
@@ -97,7 +109,7 @@ class MixedGraphs:
             query_start_loc=self._span(t, "query_start_loc"),
             seq_lens=self._span(t, "seq_lens"),
             block_tables=self.block_tables[:s],
-            max_query_len=t,  # picks the prefill tiles
+            max_query_len=self.max_query_len(t),  # picks the tiles and the launch
             max_seq_len=self.max_blocks_per_seq,  # unused by the Triton backend
             query_start_loc_cpu=[0] + [t] * s,  # shapes only: the torch backend never runs here
             seq_lens_cpu=[t] + [0] * (s - 1),
@@ -118,9 +130,12 @@ class MixedGraphs:
         self.block_tables.zero_()
 
     @torch.inference_mode()
-    def capture(self) -> None:
+    def capture(self, pool: tuple[int, int] | None = None) -> None:
+        """Capture every bucket, largest first, into ``pool`` (a new one when None; kept in
+        ``self.pool`` for graphs captured after these that may reuse its memory)."""
         start = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
+        pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        self.pool = pool
         stream = torch.cuda.Stream(self.device)
         for i, t in enumerate(sorted(self.token_sizes, reverse=True)):  # largest first: one pool serves all
             self._dummy_inputs(t)
@@ -135,8 +150,8 @@ class MixedGraphs:
             self.graphs[t] = _Graph(graph, hidden)
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - start
-        logger.info("captured %d mixed-step CUDA graphs (%d..%d tokens) in %.2f s",
-                    len(self.graphs), self.token_sizes[0], self.token_sizes[-1], self.capture_seconds)
+        logger.info("captured %d %s CUDA graphs (%d..%d tokens) in %.2f s", len(self.graphs), self.kind,
+                    self.token_sizes[0], self.token_sizes[-1], self.capture_seconds)
 
     def replay(self, t: int, staged: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
         """Run bucket ``t`` on a step staged on the device (``plan_step(step, width, seqs_for(t), t)``)
@@ -150,3 +165,51 @@ class MixedGraphs:
         entry.graph.replay()
         self.num_replays += 1
         return entry.hidden
+
+
+class VerifyGraphs(MixedGraphs):
+    """Graphs for verify steps: ``rows`` sequence slots of at most ``query_len = k + 1`` query
+    tokens each, one graph per decode-graph batch size (the bucket is ``rows * query_len``
+    tokens). A step fits when none of its rows has more than ``query_len`` tokens: verify rows,
+    plain decodes and short chunks; longer chunks go to the mixed graphs or run eagerly."""
+
+    kind = "verify-step"
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_caches: list[torch.Tensor],
+        row_sizes: list[int],
+        query_len: int,
+        max_blocks_per_seq: int,
+        device: torch.device,
+    ) -> None:
+        if query_len < 2:
+            raise ValueError(f"a verify step has at least 2 query tokens per row, got {query_len}")
+        self.query_len = query_len
+        sizes = sorted({int(b) * query_len for b in row_sizes})
+        super().__init__(model, kv_caches, sizes, max(row_sizes), max_blocks_per_seq, device)
+
+    def seqs_for(self, t: int) -> int:
+        return t // self.query_len
+
+    def max_query_len(self, t: int) -> int:
+        return self.query_len  # the multi-query decode launch
+
+    def bucket_for_step(self, max_query_len: int, num_seqs: int, width: int) -> int | None:
+        """The smallest bucket whose rows hold this step (at most ``query_len`` tokens each),
+        or None."""
+        if max_query_len > self.query_len:
+            return None
+        return self.bucket(num_seqs * self.query_len, num_seqs, width)
+
+    def _dummy_inputs(self, t: int) -> None:
+        """``seqs_for(t)`` sequences of ``query_len`` tokens at positions 0.., stored nowhere."""
+        q = self.query_len
+        s = self.seqs_for(t)
+        self._span(t, "input_ids").zero_()
+        self._span(t, "positions").copy_(torch.arange(t, device=self.device) % q)
+        self._span(t, "slot_mapping").fill_(-1)
+        self._span(t, "seq_lens").fill_(q)
+        self._span(t, "query_start_loc").copy_(torch.arange(s + 1, device=self.device) * q)
+        self.block_tables.zero_()

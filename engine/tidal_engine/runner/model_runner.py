@@ -46,7 +46,7 @@ from tidal_engine.runner.memory_budget import (
     graph_pool_bytes,
     kv_cache_budget,
 )
-from tidal_engine.runner.mixed_graphs import MixedGraphs
+from tidal_engine.runner.mixed_graphs import MixedGraphs, VerifyGraphs
 from tidal_engine.runner.persistent_batch import PersistentBatch
 from tidal_engine.runner.prompt_logprobs import PromptLogprobsJob
 from tidal_engine.runner.startup_clock import StartupClock
@@ -145,6 +145,7 @@ class ModelRunner:
         self.batch = PersistentBatch(config.max_num_seqs, self.max_model_len, config.block_size, device)
         self.graphs: DecodeGraphs | None = None
         self.mixed_graphs: MixedGraphs | None = None
+        self.verify_graphs: VerifyGraphs | None = None  # speculative decoding's verify steps
         self._gemv_choices: dict = {}  # (N, K, dtype, bias) → GEMV config or None (cuBLAS)
         clock.mark("sampler_and_buffers")
         self._choose_one_row_linears()
@@ -239,9 +240,11 @@ class ModelRunner:
 
     def _graph_shapes(self) -> GraphShapes:
         mixed = self.config.mixed_cuda_graphs and get_parallel().pp_size == 1
+        token_sizes = default_mixed_token_sizes(self.config.max_num_batched_tokens or 2048) if mixed else []
         return GraphShapes(
             decode_sizes=list(self.cuda_graph_sizes),
-            mixed_token_sizes=default_mixed_token_sizes(self.config.max_num_batched_tokens or 2048) if mixed else [],
+            # The verify graphs' [B * (k + 1), hidden] outputs, in the mixed graphs' pool when both exist.
+            mixed_token_sizes=token_sizes + self._verify_token_sizes(),
             vocab_size=self.arch.vocab_size,
             hidden_size=self.arch.hidden_size,
             dtype_bytes=torch.empty((), dtype=self.dtype).element_size(),
@@ -457,7 +460,8 @@ class ModelRunner:
         ``.num_new_tokens``), when any row uses an adapter; those steps run eagerly.
 
         ``drafts``: each sampling sequence's draft tokens (speculative decoding, see
-        runner/verify.py): the step runs eagerly and its result gives 1..k+1 tokens per row.
+        runner/verify.py): the step replays a verify graph (or a mixed one, else runs eagerly)
+        and its result gives 1..k+1 tokens per row.
 
         ``prompt_logprobs``: prompt positions whose logprobs the step's hidden states give
         (runner/prompt_logprobs.py); the step runs eagerly and the job gets them queued."""
@@ -467,8 +471,8 @@ class ModelRunner:
             from tidal_engine.runner.verify import execute_verify
 
             use_lora = lora_chunks is not None and self.lora_manager is not None and self.lora_manager.begin_step(lora_chunks)
-            try:
-                return execute_verify(self, step, sample_req_ids, drafts, grammar_bitmasks)
+            try:  # rows with adapters: eager (the graphs hold the base path only)
+                return execute_verify(self, step, sample_req_ids, drafts, grammar_bitmasks, allow_graphs=not use_lora)
             finally:
                 if use_lora:
                     self.lora_manager.end_step()
@@ -597,10 +601,31 @@ class ModelRunner:
             mixed = MixedGraphs(self.model, self.kv_caches, token_sizes, self.config.max_num_seqs, max_blocks, self.device)
             mixed.capture()
             self.mixed_graphs = mixed
+        k = self._num_speculative_tokens()
+        if k and get_parallel().pp_size == 1:
+            verify = VerifyGraphs(self.model, self.kv_caches, self.cuda_graph_sizes, k + 1, max_blocks, self.device)
+            verify.capture(self.mixed_graphs.pool if self.mixed_graphs is not None else None)
+            self.verify_graphs = verify
+
+    def _num_speculative_tokens(self) -> int:
+        """k of ``--speculative-config`` (0: no speculation), for the verify graphs' buckets."""
+        spec = getattr(self.config, "speculative_config", None)
+        if not spec:
+            return 0
+        from tidal_engine.spec_decode.config import SpeculativeConfig
+
+        return SpeculativeConfig.parse(spec).num_speculative_tokens
+
+    def _verify_token_sizes(self) -> list[int]:
+        k = self._num_speculative_tokens()
+        if not k or get_parallel().pp_size != 1:
+            return []
+        return [b * (k + 1) for b in self.cuda_graph_sizes]
 
     def _drop_cuda_graphs(self) -> None:
         self.graphs = None
         self.mixed_graphs = None
+        self.verify_graphs = None
 
     def _maybe_recapture(self) -> None:
         if self.graphs is None and self.weights.resident and self._kv_resident:

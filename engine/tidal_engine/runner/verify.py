@@ -1,6 +1,10 @@
-"""The verify step of speculative decoding: one eager target forward over a mixed batch in
-which some decode rows carry drafts as extra query tokens; logits at every verified position;
+"""The verify step of speculative decoding: one target forward over a mixed batch in which
+some decode rows carry drafts as extra query tokens; logits at every verified position;
 plain rows sample as usual, drafting rows go through the exact rejection sampler.
+
+The forward replays a verify graph (runner/mixed_graphs.py ``VerifyGraphs``: rows of at most
+k + 1 tokens, the multi-query decode attention) when every row fits one, else a mixed-step
+graph (a prefill chunk in the batch), else runs eagerly (LoRA rows, no graphs, CPU).
 
 Synchronous by design (the engine turns async scheduling off with speculation): nothing here
 feeds tokens on the device, and the result is read on the host right after.
@@ -17,7 +21,7 @@ from tidal_engine.runner.sampler import GREEDY_EPS, filtered_probs
 from tidal_engine.spec_decode.rejection_sampler import rejection_sample
 
 if TYPE_CHECKING:
-    from tidal_engine.runner.input_buffers import StepInput
+    from tidal_engine.runner.input_buffers import StepInput, StepLayout
     from tidal_engine.runner.model_runner import ModelRunner
 
 
@@ -45,17 +49,36 @@ class VerifiedTokens:
         return out, []
 
 
+def _forward(runner: ModelRunner, step: StepInput, allow_graphs: bool) -> tuple[StepLayout, torch.Tensor]:
+    """The step's final hidden states (the real tokens first, in the layout's order)."""
+    width = runner._width(step)
+    verify = runner.verify_graphs if allow_graphs else None
+    bucket = None
+    if verify is not None:
+        bucket = verify.bucket_for_step(int(step.q_lens.max()), int(step.rows.shape[0]), width)
+    if bucket is not None:
+        assert verify is not None
+        layout, staged = runner._stage(step, width, verify.seqs_for(bucket), bucket)
+        return layout, verify.replay(bucket, staged, runner._block_tables(layout, staged))
+    mixed = runner._mixed_bucket(step, width) if allow_graphs else None
+    if mixed is not None:
+        assert runner.mixed_graphs is not None
+        layout, staged = runner._stage(step, width, runner.mixed_graphs.seqs_for(mixed), mixed)
+        return layout, runner.mixed_graphs.replay(mixed, staged, runner._block_tables(layout, staged))
+    layout, staged = runner._stage(step, width, None)
+    ids, positions, meta, _ = runner._views(layout, staged)
+    return layout, runner.model(ids, positions, runner.kv_caches, meta)
+
+
 def execute_verify(
     runner: ModelRunner,
     step: StepInput,
     sample_req_ids: list[str],
     drafts: list[list[int]],
     grammar_bitmasks: dict[str, bytes] | None,
+    allow_graphs: bool = True,
 ) -> VerifiedTokens | None:
-    width = runner._width(step)
-    layout, staged = runner._stage(step, width, None)
-    ids, positions, meta, _ = runner._views(layout, staged)
-    hidden = runner.model(ids, positions, runner.kv_caches, meta)
+    layout, hidden = _forward(runner, step, allow_graphs)
     if not layout.num_samples:
         return None
     # Logit rows: for each sampling sequence, its last num_drafts + 1 tokens.
@@ -85,7 +108,7 @@ def execute_verify(
         spec_logits = logits.index_select(0, torch.as_tensor(index, device=logits.device)).view(r, k + 1, vocab)
         options = [sampler.options_of(sample_req_ids[i]) for i in spec_pos]
         greedy = [o.temperature < GREEDY_EPS for o in options]
-        probs = spec_logits.float()
+        probs = spec_logits if all(greedy) else spec_logits.float()
         sampled_rows = [j for j, g in enumerate(greedy) if not g]
         if sampled_rows:  # the target's filtered distribution, as the plain sampler draws from
             flat = spec_logits[sampled_rows].reshape(-1, vocab)
@@ -99,7 +122,8 @@ def execute_verify(
         for j, i in enumerate(spec_pos):
             draft_ids[j, : nd[i]] = torch.as_tensor(drafts[i])
         spec = rejection_sample(probs, draft_ids.to(logits.device), torch.as_tensor(nd[spec_pos], device=logits.device),
-                                torch.as_tensor(greedy, device=logits.device), generator=sampler.generator)
+                                torch.as_tensor(greedy, device=logits.device), generator=sampler.generator,
+                                all_greedy=all(greedy))
         for i in spec_pos:  # the worker adds the rest once it knows how many were emitted
             sampler.count_extra(sample_req_ids[i], 1)
     return VerifiedTokens(plain, plain_pos, spec, spec_pos, len(drafts))

@@ -24,13 +24,15 @@ def rejection_sample(
     greedy: torch.Tensor,
     draft_probs: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
+    all_greedy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Verify a batch of drafts.
 
     ``target_probs`` [R, k+1, V] (the filtered, normalised target distributions; greedy rows
     may pass raw logits, only their argmax is read), ``draft_token_ids`` [R, k] int64 (entries
     past ``num_drafts`` are ignored), ``num_drafts`` [R] int64 in [0, k], ``greedy`` [R] bool,
-    ``draft_probs`` [R, k, V] or None (one-hot drafts).
+    ``draft_probs`` [R, k, V] or None (one-hot drafts). ``all_greedy`` (the caller knows every
+    row is greedy, so ``greedy`` is all True): only argmaxes, no random draws.
 
     Returns ``tokens`` [R, k+1] int64 (the emitted tokens, -1 after each row's last) and
     ``num_emitted`` [R] int64 (accepted drafts + 1).
@@ -42,6 +44,8 @@ def rejection_sample(
     device = target_probs.device
     drafts = draft_token_ids.clamp(0, vocab - 1)
     is_draft = torch.arange(k, device=device)[None, :] < num_drafts[:, None]  # [R, k]
+    if all_greedy:
+        return _greedy_verify(target_probs, drafts, is_draft)
     p = target_probs.float()
     p_draft = p[:, :k].gather(2, drafts.unsqueeze(2)).squeeze(2)  # p_j(d_j)
     if draft_probs is None:
@@ -78,4 +82,18 @@ def rejection_sample(
     keep = torch.arange(k, device=device)[None, :] < num_accepted[:, None]
     tokens[:, :k] = torch.where(keep, drafts, tokens[:, :k])
     tokens[row_ids, at] = final
+    return tokens, num_accepted + 1
+
+
+def _greedy_verify(target: torch.Tensor, drafts: torch.Tensor, is_draft: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every row greedy: accept the leading drafts that are the argmax, then emit the argmax."""
+    rows, positions, _ = target.shape
+    k = positions - 1
+    argmax = target.argmax(dim=2)  # [R, k+1]
+    num_accepted = ((argmax[:, :k] == drafts) & is_draft).long().cumprod(dim=1).sum(dim=1)
+    keep = torch.arange(k, device=target.device)[None, :] < num_accepted[:, None]
+    tokens = torch.full((rows, k + 1), -1, dtype=torch.long, device=target.device)
+    tokens[:, :k] = torch.where(keep, drafts, tokens[:, :k])
+    row_ids = torch.arange(rows, device=target.device)
+    tokens[row_ids, num_accepted] = argmax[row_ids, num_accepted]
     return tokens, num_accepted + 1

@@ -1,0 +1,58 @@
+"""Speculative decoding on a GPU (marked ``gpu``; run with ``TRITON_INTERPRET=0 pytest
+tests/engine/test_spec_decode_gpu.py -m gpu`` on a CUDA machine): verify steps replay the
+verify CUDA graphs (multi-query decode attention) or the mixed-step graphs, and the greedy
+tokens equal those of the same engine without drafts."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from tiny_tokenizer import SAMPLE_PROMPTS
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.skipif(INTERPRETING, reason="GPU tests run compiled: set TRITON_INTERPRET=0"),
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tiny_models import make_tiny_model
+    from tiny_tokenizer import EOS_ID, save_byte_tokenizer
+
+    folder = tmp_path_factory.mktemp("tiny-qwen3-spec-gpu")
+    make_tiny_model("qwen3", folder, eos_token_id=EOS_ID, bos_token_id=None, max_position_embeddings=512)
+    save_byte_tokenizer(folder, vocab_size=1000)
+    return folder
+
+
+@pytest.mark.parametrize("max_num_batched_tokens", [None, 96], ids=["decode-rows", "with-prefill-chunks"])
+def test_verify_graphs_keep_the_greedy_tokens(tiny_dir: Path, max_num_batched_tokens: int | None) -> None:
+    # fp32, so the verify graphs' GEMM shapes (k + 1 rows a sequence) can't flip a token; a
+    # repetitive prompt set so n-gram drafts are found and accepted. 96 tokens a step: chunked
+    # prefills run next to verify rows (the mixed-step graphs).
+    from tidal_engine import LLM, SamplingParams
+
+    llm = LLM(str(tiny_dir), device="cuda", dtype="float32", max_model_len=512, num_gpu_blocks_override=256,
+              max_num_batched_tokens=max_num_batched_tokens, cuda_graph_sizes=[1, 2, 4, 8],
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3})
+    prompts = [p * 4 for p in SAMPLE_PROMPTS]
+    params = [SamplingParams(temperature=0.0, max_tokens=24 + 4 * i, ignore_eos=True) for i in range(len(prompts))]
+    core = llm.engine.core
+    runner = llm.engine.runner
+    assert runner.verify_graphs is not None and sorted(runner.verify_graphs.graphs) == [4, 8, 16, 32]
+    proposer, core.proposer = core.proposer, None
+    base = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    core.proposer = proposer
+    assert runner.verify_graphs.num_replays == 0
+    spec = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    stats = llm.engine.get_stats()
+    assert spec == base
+    assert runner.verify_graphs.num_replays > 0
+    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
