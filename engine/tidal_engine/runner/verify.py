@@ -42,9 +42,10 @@ class VerifiedTokens:
             for pos, t in zip(self._plain_pos, ids):
                 out[pos] = [int(t)]
         if self._spec is not None:
-            tokens, emitted = (x.cpu().tolist() for x in self._spec)
-            for pos, row, n in zip(self._spec_pos, tokens, emitted):
-                out[pos] = row[:n]
+            tokens, emitted = self._spec
+            packed = torch.cat([emitted[:, None], tokens], dim=1).cpu().tolist()  # one device → host copy
+            for pos, row in zip(self._spec_pos, packed):
+                out[pos] = row[1 : 1 + row[0]]
         self.done = True
         return out, []
 
