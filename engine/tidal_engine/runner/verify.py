@@ -12,6 +12,7 @@ feeds tokens on the device, and the result is read on the host right after.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -50,8 +51,9 @@ class VerifiedTokens:
         return out, []
 
 
-def _forward(runner: ModelRunner, step: StepInput, allow_graphs: bool) -> tuple[StepLayout, torch.Tensor]:
-    """The step's final hidden states (the real tokens first, in the layout's order)."""
+def _stage(runner: ModelRunner, step: StepInput, allow_graphs: bool) -> tuple[StepLayout, Callable[[], torch.Tensor]]:
+    """Stage the step; returns its layout and the forward to launch, which gives the final
+    hidden states (the real tokens first, in the layout's order)."""
     width = runner._width(step)
     verify = runner.verify_graphs if allow_graphs else None
     bucket = None
@@ -60,15 +62,16 @@ def _forward(runner: ModelRunner, step: StepInput, allow_graphs: bool) -> tuple[
     if bucket is not None:
         assert verify is not None
         layout, staged = runner._stage(step, width, verify.seqs_for(bucket), bucket)
-        return layout, verify.replay(bucket, staged, runner._block_tables(layout, staged))
+        return layout, lambda: verify.replay(bucket, staged, runner._block_tables(layout, staged))
     mixed = runner._mixed_bucket(step, width) if allow_graphs else None
     if mixed is not None:
-        assert runner.mixed_graphs is not None
-        layout, staged = runner._stage(step, width, runner.mixed_graphs.seqs_for(mixed), mixed)
-        return layout, runner.mixed_graphs.replay(mixed, staged, runner._block_tables(layout, staged))
+        graphs = runner.mixed_graphs
+        assert graphs is not None
+        layout, staged = runner._stage(step, width, graphs.seqs_for(mixed), mixed)
+        return layout, lambda: graphs.replay(mixed, staged, runner._block_tables(layout, staged))
     layout, staged = runner._stage(step, width, None)
     ids, positions, meta, _ = runner._views(layout, staged)
-    return layout, runner.model(ids, positions, runner.kv_caches, meta)
+    return layout, lambda: runner.model(ids, positions, runner.kv_caches, meta)
 
 
 def execute_verify(
@@ -79,8 +82,9 @@ def execute_verify(
     grammar_bitmasks: dict[str, bytes] | None,
     allow_graphs: bool = True,
 ) -> VerifiedTokens | None:
-    layout, hidden = _forward(runner, step, allow_graphs)
+    layout, forward = _stage(runner, step, allow_graphs)
     if not layout.num_samples:
+        forward()
         return None
     # Logit rows: for each sampling sequence, its last num_drafts + 1 tokens.
     ends = layout.sample_rows  # flat index of each sampling sequence's last token
@@ -88,28 +92,37 @@ def execute_verify(
     counts = nd + 1
     first = np.repeat(ends - nd, counts)
     offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-    rows_t = torch.as_tensor(first + offsets, device=hidden.device)
-    logits = runner.model.compute_logits(hidden.index_select(0, rows_t))
     starts = np.cumsum(counts) - counts
     plain_pos = [i for i in range(len(drafts)) if nd[i] == 0]
     spec_pos = [i for i in range(len(drafts)) if nd[i] > 0]
+    k = int(nd.max())
+    r = len(spec_pos)
+    draft_ids = np.zeros((r, k), dtype=np.int64)
+    for j, i in enumerate(spec_pos):
+        draft_ids[j, : nd[i]] = drafts[i]
+    spec_index = np.concatenate([starts[i] + np.minimum(np.arange(k + 1), nd[i]) for i in spec_pos]) if spec_pos else []
+    # Every index the step needs, in one host → device copy queued before the forward (a copy
+    # from pageable memory after it would wait for it before the next launches are queued).
+    parts = [first + offsets, starts[plain_pos], spec_index, draft_ids.reshape(-1), nd[spec_pos]]
+    sizes = [len(x) for x in parts]
+    uploaded = torch.as_tensor(np.concatenate(parts).astype(np.int64), device=runner.device)
+    rows_t, plain_index, spec_index_t, draft_ids_t, nd_t = torch.split(uploaded, sizes)
+    hidden = forward()
+    logits = runner.model.compute_logits(hidden.index_select(0, rows_t))
     sampler = runner.sampler
     plain = None
     if plain_pos:
-        index = torch.as_tensor(starts[plain_pos], device=logits.device)
         plain_ids = [sample_req_ids[i] for i in plain_pos]
-        masks = {r: m for r, m in (grammar_bitmasks or {}).items() if r in plain_ids} or None
-        plain = sampler.sample(logits.index_select(0, index), plain_ids, masks)
+        masks = {rid: m for rid, m in (grammar_bitmasks or {}).items() if rid in plain_ids} or None
+        plain = sampler.sample(logits.index_select(0, plain_index), plain_ids, masks)
     spec = None
     if spec_pos:
-        k = int(nd.max())
         vocab = logits.shape[1]
-        r = len(spec_pos)
-        index = np.concatenate([starts[i] + np.minimum(np.arange(k + 1), nd[i]) for i in spec_pos])
-        spec_logits = logits.index_select(0, torch.as_tensor(index, device=logits.device)).view(r, k + 1, vocab)
+        spec_logits = logits.index_select(0, spec_index_t).view(r, k + 1, vocab)
         options = [sampler.options_of(sample_req_ids[i]) for i in spec_pos]
         greedy = [o.temperature < GREEDY_EPS for o in options]
-        probs = spec_logits if all(greedy) else spec_logits.float()
+        all_greedy = all(greedy)
+        probs = spec_logits if all_greedy else spec_logits.float()
         sampled_rows = [j for j, g in enumerate(greedy) if not g]
         if sampled_rows:  # the target's filtered distribution, as the plain sampler draws from
             flat = spec_logits[sampled_rows].reshape(-1, vocab)
@@ -119,12 +132,10 @@ def execute_verify(
                                   [x.top_k for x in o for _ in range(rep)], [x.top_p for x in o for _ in range(rep)],
                                   [x.min_p for x in o for _ in range(rep)])
             probs[sampled_rows] = dist.view(len(sampled_rows), rep, vocab)
-        draft_ids = torch.zeros((r, k), dtype=torch.long)
-        for j, i in enumerate(spec_pos):
-            draft_ids[j, : nd[i]] = torch.as_tensor(drafts[i])
-        spec = rejection_sample(probs, draft_ids.to(logits.device), torch.as_tensor(nd[spec_pos], device=logits.device),
-                                torch.as_tensor(greedy, device=logits.device), generator=sampler.generator,
-                                all_greedy=all(greedy))
+        greedy_t = torch.ones(r, dtype=torch.bool, device=logits.device) if all_greedy else \
+            torch.as_tensor(greedy, device=logits.device)
+        spec = rejection_sample(probs, draft_ids_t.view(r, k), nd_t, greedy_t, generator=sampler.generator,
+                                all_greedy=all_greedy)
         for i in spec_pos:  # the worker adds the rest once it knows how many were emitted
             sampler.count_extra(sample_req_ids[i], 1)
     return VerifiedTokens(plain, plain_pos, spec, spec_pos, len(drafts))
