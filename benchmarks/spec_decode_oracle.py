@@ -53,11 +53,13 @@ def make_chain_model(model: Any, seed: int = 0) -> None:
     head = next((p for n, p in params.items() if n.endswith("lm_head.weight")), None)
     if head is None or head.data_ptr() == embed.data_ptr():
         raise ValueError("the chain model needs an untied LM head")
+    outputs = [p for n, p in params.items() if n.endswith(("o_proj.weight", "down_proj.weight"))]
+    if len(outputs) != 2 * len(getattr(model, "layers", [])):
+        raise ValueError(f"expected an o_proj and a down_proj weight per layer, found {len(outputs)}")
     with torch.no_grad():
         embed.mul_(EMBED_SCALE)
-        for name, p in params.items():
-            if name.endswith(("o_proj.weight", "down_proj.weight")):
-                p.mul_(LAYER_OUT_SCALE)
+        for p in outputs:
+            p.mul_(LAYER_OUT_SCALE)
         gen = torch.Generator(device=embed.device).manual_seed(seed)
         sigma = torch.randperm(embed.shape[0], generator=gen, device=embed.device)
         head.copy_(embed.index_select(0, sigma) * HEAD_SCALE)
