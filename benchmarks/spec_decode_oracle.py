@@ -179,6 +179,10 @@ def main() -> None:
     llm = LLM(str(folder), load_format="dummy", skip_tokenizer_init=True, max_model_len=1024, max_num_seqs=64,
               speculative_config=spec)
     make_chain_model(llm.engine.runner.model)
+    import torch
+
+    results["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    results["torch"] = torch.__version__
     results["llm_construct_s"] = time.perf_counter() - t0
     vocab = llm.engine.core.vocab_size
     single = [rng.integers(100, vocab - 100, 128).tolist()]
