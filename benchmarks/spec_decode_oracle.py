@@ -152,33 +152,6 @@ def run_case(llm: Any, prompts: list[list[int]], max_tokens: int, k: int, accept
             "verify_graph_replays": None if replays is None else runner.verify_graphs.num_replays - replays}
 
 
-def graph_timings(runner: Any, batch_sizes: tuple[int, ...] = (1, 64), replays: int = 30) -> dict[str, float]:
-    """Device milliseconds per replay of the decode graph (LM head included) and of the verify
-    graph (k + 1 tokens a row, LM head not included) at some batch sizes, on whatever inputs the
-    graphs last held. Run after the cases: the replays write KV into the last step's slots."""
-    import torch
-
-    out: dict[str, float] = {}
-    families = (("decode", runner.graphs, lambda b: b), ("verify", runner.verify_graphs,
-                                                        lambda b: b * runner.verify_graphs.query_len))
-    for name, graphs, key in families:
-        if graphs is None:
-            continue
-        for b in batch_sizes:
-            entry = graphs.graphs.get(key(b))
-            if entry is None:
-                continue
-            entry.graph.replay()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(replays):
-                entry.graph.replay()
-            end.record()
-            end.synchronize()
-            out[f"{name}_b{b}_ms"] = start.elapsed_time(end) / replays
-    return out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="qwen3-8b")
@@ -230,10 +203,6 @@ def main() -> None:
             results["cases"][name] = {"error": repr(exc)[:2000]}
         save()
         print(name, json.dumps(results["cases"][name]), flush=True)
-    if results["device"] != "cpu":
-        results["graph_replay_ms"] = graph_timings(llm.engine.runner)
-        save()
-        print("graph_replay_ms", json.dumps(results["graph_replay_ms"]), flush=True)
 
 
 if __name__ == "__main__":
