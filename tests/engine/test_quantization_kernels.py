@@ -303,3 +303,14 @@ def test_choice_times_quantized_layers_at_one_and_few_rows(monkeypatch: pytest.M
     fresh = _fp8_layer(24, 64, seed=1)
     choice.choose_gemv(torch.nn.ModuleList([fresh]), cache, dtype=torch.float32)
     assert len(timed) == 8 and fresh.gemv_config == good
+
+
+def test_a_device_fault_is_not_mistaken_for_a_bad_tile() -> None:
+    """A tile that Triton cannot build here is skipped; a fault on the device is not: the CUDA
+    context is broken after it, so the choice must stop rather than go on as if nothing happened."""
+    from tidal_engine.kernels.gemv_choice import is_device_fault
+
+    assert is_device_fault(torch.AcceleratorError("CUDA error: an illegal memory access was encountered"))
+    assert is_device_fault(RuntimeError("CUDA error: misaligned address"))
+    assert not is_device_fault(RuntimeError("out of resource: shared memory, Required: 264192"))
+    assert not is_device_fault(ValueError("the tile does not fit this shape"))

@@ -35,6 +35,13 @@ def gemv_wanted(dtype: torch.dtype) -> bool:
     return enabled and dtype in (torch.bfloat16, torch.float16)
 
 
+def is_device_fault(exc: BaseException) -> bool:
+    """A kernel faulted on the device (an illegal address, say): the error is sticky, every later
+    CUDA call of the process fails, so it must end start-up rather than count as a bad tile."""
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    return (accelerator_error is not None and isinstance(exc, accelerator_error)) or "CUDA error" in str(exc)
+
+
 def pick_fastest(timings: dict[Candidate, float]) -> Candidate:
     """The candidate with the lowest time; cuBLAS (None) wins ties and anything within 3%,
     so a noisy measurement never swaps a library kernel for a marginal gain."""
@@ -113,6 +120,8 @@ def _choose_small_batch(module: nn.Module, cache: dict[Any, Candidate], dtype: t
                 except ValueError:  # the tile does not fit this shape
                     continue
                 except Exception as exc:  # e.g. Triton out of resources on this GPU: not a candidate here
+                    if is_device_fault(exc):
+                        raise  # the CUDA context is unusable after a fault: skipping would hide it
                     logger.warning("small-batch kernel %s failed on %s: %s; not used", config, key, exc)
                     continue
                 # The general path may quantize the activations (W8A8) where the kernel does not:
@@ -242,5 +251,5 @@ def choices_file(cache_dir: Path) -> Path:
     return cache_dir / "gemv" / f"{gemv_cache_key(torch.cuda.get_device_name(), versions)}.json"
 
 
-__all__ = ["choices_file", "choose_gemv", "gemv_wanted", "load_choices", "pick_fastest", "rotation_copies",
+__all__ = ["choices_file", "choose_gemv", "gemv_wanted", "is_device_fault", "load_choices", "pick_fastest", "rotation_copies",
            "save_choices", "time_in_graph"]
