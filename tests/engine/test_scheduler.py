@@ -294,7 +294,7 @@ def test_max_num_seqs() -> None:
 @pytest.mark.parametrize("when", ["waiting", "mid_prefill", "decoding"])
 def test_abort_frees_blocks(when: str) -> None:
     h = Harness(num_blocks=32, max_num_batched_tokens=32)
-    other = h.add("other", list(range(10)), max_tokens=30)
+    h.add("other", list(range(10)), max_tokens=30)
     victim = h.add("victim", list(range(100, 180)), max_tokens=30)
     if when != "waiting":
         h.step()  # other: 10 tokens, victim: first 22

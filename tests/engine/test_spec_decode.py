@@ -165,7 +165,6 @@ def test_reference_attention_verifies_several_queries_per_decode_row() -> None:
     cache = torch.randn(2, num_blocks, block, kv_heads, dim, generator=gen)
     tables = torch.randperm(num_blocks, generator=gen)[:30].view(3, 10)
     seq_lens, q_lens = [20, 37, 8], [1, 5, 8]  # decode, verify (k = 4), prefill chunk
-    qsl = [0, 1, 6, 14]
     query = torch.randn(14, heads, dim, generator=gen)
     backend = TorchAttentionBackend()
 
