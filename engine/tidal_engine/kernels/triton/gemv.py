@@ -24,6 +24,15 @@ class GemvConfig:
     num_warps: int
 
 
+MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension
+
+
+def check_grid_rows(n: int, block_n: int) -> None:
+    """Small-batch kernels put the output-row tiles on the grid's second dimension."""
+    if -(-n // block_n) > MAX_GRID_Y:
+        raise ValueError(f"{n} output rows need more than {MAX_GRID_Y} programs of {block_n} rows")
+
+
 # The candidates timed at start-up (each one compiled variant per dtype).
 GEMV_CONFIGS: tuple[GemvConfig, ...] = (
     GemvConfig(1, 1024, 4),

@@ -18,11 +18,10 @@ import torch
 import triton
 import triton.language as tl
 
-from tidal_engine.kernels.triton.gemv import GemvConfig
+from tidal_engine.kernels.triton.gemv import GemvConfig, check_grid_rows
 
 FP8_MAX = tl.constexpr(448.0)
 MIN_SCALE = tl.constexpr(1e-12)  # an all-zero row still gets a finite scale (as quantization/fp8.py)
-MAX_GRID_Y = 65535
 
 # The candidates timed at start-up (kernels/gemv_choice.py): one byte a weight, so wider K tiles.
 FP8_GEMV_CONFIGS: tuple[GemvConfig, ...] = (
@@ -82,8 +81,7 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: t
         raise ValueError(f"x has {x.shape[1]} features, weight expects {k}")
     if weight.stride(1) != 1 or scale.numel() != n:
         raise ValueError("weight's last dim must be contiguous and scale must hold one value per output row")
-    if triton.cdiv(n, config.block_n) > MAX_GRID_Y:
-        raise ValueError(f"{n} output rows need more than {MAX_GRID_Y} programs of {config.block_n} rows")
+    check_grid_rows(n, config.block_n)
     if x.stride(1) != 1:
         x = x.contiguous()
     m = x.shape[0]

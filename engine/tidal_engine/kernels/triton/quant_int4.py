@@ -19,10 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from tidal_engine.kernels.triton.gemv import GemvConfig
+from tidal_engine.kernels.triton.gemv import GemvConfig, check_grid_rows
 
 PACK = 8
-MAX_GRID_Y = 65535
 FLOAT_2_23_BITS = 0x4B000000  # float32 2^23: a small integer or-ed into its mantissa reads as 2^23 + it
 
 # The candidates timed at start-up (kernels/gemv_choice.py); block_k counts weights (8 a word).
@@ -142,8 +141,7 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     n, words = qweight.shape
     if config.block_k % PACK:
         raise ValueError(f"block_k {config.block_k} is not a whole number of words")
-    if triton.cdiv(n, config.block_n) > MAX_GRID_Y:
-        raise ValueError(f"{n} output rows need more than {MAX_GRID_Y} programs of {config.block_n} rows")
+    check_grid_rows(n, config.block_n)
     if x.stride(1) != 1:
         x = x.contiguous()
     m = x.shape[0]
