@@ -158,7 +158,7 @@ class EngineCore:
         # it: on a thread, its imports (Python, holding the GIL) slowed the runner's kernel
         # launches so much that start-up took longer (H200, 8B shape: warm-up 1.0 → 10.7 s).
         started = time.perf_counter()
-        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.model, config.tokenizer)
+        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.model, config.tokenizer, config.cache_dir)
         self.startup_seconds["tokenizer"] = time.perf_counter() - started
         self.model_name = config.served_model_name or config.model
         self.max_model_len = config.max_model_len or arch.max_position_embeddings

@@ -41,8 +41,9 @@ class ModelSource(ABC):
         return self.path.name
 
     @abstractmethod
-    def load_tokenizer(self) -> Any:
-        """A transformers tokenizer (with the model's chat template when it has one)."""
+    def load_tokenizer(self, cache_dir: str | Path | None = None) -> Any:
+        """A transformers tokenizer (with the model's chat template when it has one); sources
+        whose tokenizer is slow to build keep it in the start-up cache ``cache_dir``."""
 
     @abstractmethod
     def load_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -74,10 +75,10 @@ class HFFolderSource(ModelSource):
         self.arch_config = ArchConfig.from_hf_config(config)
         self.weight_files = checked_safetensors(path)
 
-    def load_tokenizer(self) -> Any:
+    def load_tokenizer(self, cache_dir: str | Path | None = None) -> Any:
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(str(self.path))
+        return AutoTokenizer.from_pretrained(str(self.path))  # tokenizer.json: fast to read
 
     def load_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         return read_safetensors(self.weight_files)
@@ -404,11 +405,16 @@ class GGUFSource(ModelSource):
             eos_token_id=self._field("tokenizer.ggml.eos_token_id"),
         )
 
-    def load_tokenizer(self) -> Any:
+    def load_tokenizer(self, cache_dir: str | Path | None = None) -> Any:
         from transformers import AutoTokenizer
 
+        from tidal_engine.models.tokenizer_cache import cached_gguf_tokenizer
+
         # transformers rebuilds a fast tokenizer and the chat template from GGUF metadata.
-        return AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name)
+        def convert() -> Any:
+            return AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name)
+
+        return cached_gguf_tokenizer(self.path, convert, cache_dir)
 
     def load_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         from gguf.quants import dequantize
@@ -440,8 +446,29 @@ def resolve_model(model: str) -> ModelSource:
     if path.is_dir():
         return HFFolderSource(path)
     if path.suffix == ".gguf":
-        return GGUFSource(path)
+        return gguf_source(path)
     raise ValueError(f"unrecognised model file {path}: expected an HF model folder or a .gguf file")
+
+
+_GGUF_SOURCES: dict[tuple[str, int, int], GGUFSource] = {}
+
+
+def gguf_source(path: Path) -> GGUFSource:
+    """One parse per file and process: reading a GGUF file's metadata is seconds of pure Python,
+    and the engine core resolves its model more than once (config, tokenizer, executor)."""
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    if key not in _GGUF_SOURCES:
+        _GGUF_SOURCES[key] = GGUFSource(path)
+    return _GGUF_SOURCES[key]
+
+
+def model_generation_config(model: str) -> dict[str, Any]:
+    """The model's generation defaults. A GGUF file carries none, so it is not parsed for them."""
+    path = resolve_model_path(model)
+    if path.suffix == ".gguf":
+        return {}
+    return resolve_model(model).generation_config()
 
 
 def resolve_model_path(model: str) -> Path:
@@ -462,11 +489,12 @@ def resolve_model_path(model: str) -> Path:
     return path
 
 
-def load_tokenizer(model: str, tokenizer: str | None = None) -> Any:
+def load_tokenizer(model: str, tokenizer: str | None = None, cache_dir: str | Path | None = None) -> Any:
     """The model's tokenizer, or the one `tokenizer` names (--tokenizer): a model folder, a
-    .gguf file, an alias, or a folder holding only tokenizer files."""
+    .gguf file, an alias, or a folder holding only tokenizer files. A GGUF file's converted
+    tokenizer is kept in the start-up cache (``cache_dir``; models/tokenizer_cache.py)."""
     if tokenizer is None:
-        return resolve_model(model).load_tokenizer()
+        return resolve_model(model).load_tokenizer(cache_dir)
     path = Path(tokenizer).expanduser()
     if tokenizer not in MODEL_ALIASES and path.is_dir() and not (path / "config.json").is_file():
         from transformers import AutoTokenizer
@@ -475,7 +503,7 @@ def load_tokenizer(model: str, tokenizer: str | None = None) -> Any:
             return AutoTokenizer.from_pretrained(str(path))
         except (OSError, ValueError) as exc:
             raise ValueError(f"cannot load the tokenizer from {path}: {exc}") from None
-    return resolve_model(tokenizer).load_tokenizer()
+    return resolve_model(tokenizer).load_tokenizer(cache_dir)
 
 
 def resolve_dtype(config_dtype: torch.dtype | str | None, requested: str, device: torch.device) -> torch.dtype:

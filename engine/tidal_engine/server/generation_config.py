@@ -34,9 +34,9 @@ def read_generation_config(mode: str, model: str) -> dict[str, Any]:
     if mode == "vllm":
         return {}
     if mode == "auto":
-        from tidal_engine.models.loader import resolve_model
+        from tidal_engine.models.loader import model_generation_config
 
-        return resolve_model(model).generation_config()
+        return model_generation_config(model)
     path = Path(mode).expanduser()
     if path.is_dir():
         path = path / "generation_config.json"

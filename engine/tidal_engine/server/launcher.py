@@ -135,7 +135,7 @@ def prepare_api_server(config: EngineConfig, settings: ServerSettings) -> Prepar
 
     from tidal_engine.server.generation_config import load_sampling_defaults
 
-    tokenizer = load_tokenizer(config.model, config.tokenizer)
+    tokenizer = load_tokenizer(config.model, config.tokenizer, config.cache_dir)
     defaults = load_sampling_defaults(settings.generation_config, config.model)
     return PreparedAPIServer(tokenizer, dataclasses.replace(settings, default_sampling={**defaults, **settings.default_sampling}))
 
