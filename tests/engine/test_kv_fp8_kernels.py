@@ -51,7 +51,9 @@ def on_fp8_grid(shape: tuple[int, ...], scale: float, g: torch.Generator) -> tor
 @pytest.mark.parametrize(
     ("device", "dtype"),
     [pytest.param("cpu", torch.float32, marks=_cpu, id="cpu-fp32"),
-     pytest.param("cpu", torch.float16, marks=_cpu, id="cpu-fp16")],
+     pytest.param("cpu", torch.float16, marks=_cpu, id="cpu-fp16"),
+     # A bf16 query over an fp8 cache runs both dots in fp16, so the interpreter can take it.
+     pytest.param("cpu", torch.bfloat16, marks=_cpu, id="cpu-bf16")],
 )
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize(("q_lens", "seq_lens"), [([1, 1, 1], [5, 17, 40]), ([1, 19, 1], [33, 37, 16])],
@@ -68,6 +70,22 @@ def test_paged_attention_reads_fp8_cache(
     )
     assert actual.dtype == dtype
     assert_close(actual, expected, dtype)
+
+
+@_cpu
+def test_fp8_cache_query_past_fp16_range_saturates() -> None:
+    """A bf16 query beyond fp16's range (the fp8 path's dots run in fp16) is clamped, not
+    turned into inf: a row of +-1e5 keeps its direction, so the softmax still picks the
+    reference's key."""
+    b = make_batch([1, 1], [20, 9], 4, 2, 16, 16, torch.bfloat16, "cpu", seed=3)
+    g = torch.Generator().manual_seed(4)
+    query = torch.where(torch.rand(b.query.shape, generator=g) < 0.5, -1.0e5, 1.0e5).to(torch.bfloat16)
+    cache = fp8_cache(tuple(b.kv_cache.shape), 5, "cpu")
+    expected = TorchAttentionBackend().forward(query, cache, b.meta, 0.25, K_SCALE, V_SCALE)
+    actual = paged_attention(query, cache, b.meta.block_tables, b.meta.seq_lens, b.meta.query_start_loc, 0.25,
+                             1, block_n=16, num_splits=1, k_scale=K_SCALE, v_scale=V_SCALE)
+    assert torch.isfinite(actual).all()
+    assert_close(actual, expected, torch.bfloat16)
 
 
 @_cpu
@@ -181,4 +199,19 @@ def test_paged_attention_fp8_realistic_gpu() -> None:
     cache = fp8_cache(tuple(b.kv_cache.shape), 20, "cuda")
     expected = TorchAttentionBackend().forward(b.query, cache, b.meta, 128**-0.5, 0.8, 1.5)
     actual = TritonAttentionBackend().forward(b.query, cache, b.meta, 128**-0.5, 0.8, 1.5)
+    assert_close(actual, expected, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@_needs_cuda
+@pytest.mark.parametrize("block_n", [None, 64, 256])
+def test_paged_attention_fp8_decode_tiles_gpu(block_n: int | None) -> None:
+    """The decode launch at the 8B shape with one split (the engine's pick at batch 64: 128-key
+    tiles by default) and the other key tiles the benchmark sweeps."""
+    seq_lens = [1 + 523 * i for i in range(1, 17)]
+    b = make_batch([1] * 16, seq_lens, 32, 8, 128, 16, torch.bfloat16, "cuda", seed=21)
+    cache = fp8_cache(tuple(b.kv_cache.shape), 22, "cuda")
+    expected = TorchAttentionBackend().forward(b.query, cache, b.meta, 128**-0.5, 0.8, 1.5)
+    actual = paged_attention(b.query, cache, b.meta.block_tables, b.meta.seq_lens, b.meta.query_start_loc,
+                             128**-0.5, 1, block_n=block_n, num_splits=1, k_scale=0.8, v_scale=1.5)
     assert_close(actual, expected, torch.bfloat16)

@@ -42,8 +42,13 @@ With ``num_splits == 1`` the first kernel writes ``out`` directly: no scratch, n
 Softmax is the online (streaming) one in fp32, with exp2 and the scale folded into log2(e).
 
 An fp8 cache (e4m3fn, ``--kv-cache-dtype fp8``) holds ``k / k_scale`` and ``v / v_scale``: K/V
-tiles are widened to the query's dtype in registers (the point is reading half the bytes),
-``k_scale`` is folded into the softmax scale and ``v_scale`` multiplies the output.
+tiles are widened in registers (the point is reading half the bytes), ``k_scale`` is folded
+into the softmax scale and ``v_scale`` multiplies the output, so the loop only widens. With a
+16-bit query both dots run in fp16 (the query, clamped to fp16's range, and the
+probabilities are rounded to fp16, which carries more mantissa than bf16): on Hopper e4m3
+widens to fp16 in one instruction per pair, exactly, while bf16 takes a second conversion
+per element at a quarter of the ALU rate, which bounded the loop (an H200 read an fp8 cache at
+1.95 TB/s that way, against 4.27 for a bf16 one). An fp32 query widens to fp32.
 """
 
 from __future__ import annotations
@@ -63,12 +68,19 @@ from tidal_engine.kernels.triton._common import (
 )
 
 _LOG2E = 1.4426950408889634
+_FP16_MAX = tl.constexpr(65504.0)
 
 # Most KV splits per launch. The combine kernel loads every split's lse at once in a block of
 # this (fixed) size, so the split count stays a runtime value and never forces a recompile.
 MAX_SPLITS = 32
 # Fewest keys worth a split of their own, when a max_seq_len hint is given.
 _MIN_KEYS_PER_SPLIT = 64
+# Fewest KV splits of a one-query decode over an fp8 cache. One split per (sequence, KV head)
+# leaves a large batch at a fraction of a wave past whole ones (64 x 8 programs at 3 per SM of
+# 132 SMs: 1.3 waves), and the second, mostly idle wave costs as much as a full one: on the
+# H200 the bf16 kernel read 64 x 8k contexts at 4.27 TB/s in 2 splits against 3.59 in 1
+# (benchmarks/results/h200-2026-12-01-kvfp8). The extra combine is a few us per layer.
+_FP8_DECODE_MIN_SPLITS = 2
 
 
 # The batch size, the block-table width, the token count and the split count change from
@@ -108,7 +120,8 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,  # keys per inner iteration
     DOT_PRECISION: tl.constexpr,
     SPLIT: tl.constexpr,  # num_splits > 1: partial results to the scratch, else straight to out
-    KV_FP8: tl.constexpr,  # the cache is fp8: widen K/V tiles to q's dtype, scale the output by v_scale
+    KV_FP8: tl.constexpr,  # the cache is fp8: widen K/V tiles, scale the output by v_scale
+    FP8_DOT_F16: tl.constexpr,  # KV_FP8 with a 16-bit query: both dots run in fp16 (see the docstring)
     DECODE: tl.constexpr,  # every query length is <= BLOCK_Q: program i is sequence i's (only) tile
 ):
     tile = tl.program_id(0)
@@ -172,6 +185,9 @@ def _paged_attention_kernel(
 
     q_mask = row_valid[:, None] & d_valid[None, :]
     q = tl.load(q_ptr + row_tok[:, None] * stride_qt + row_head[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
+    if FP8_DOT_F16:
+        # Clamped: a query past fp16's range saturates instead of becoming inf.
+        q = tl.clamp(q.to(tl.float32), -_FP16_MAX, _FP16_MAX).to(tl.float16)
 
     # A finite floor keeps alpha = exp2(m_old - m_new) at 1, not NaN, while a row has seen
     # only masked keys.
@@ -205,7 +221,10 @@ def _paged_attention_kernel(
             v_cache_ptr + slot_off[:, None] + d[None, :], mask=k_valid[:, None] & d_valid[None, :], other=0.0
         )  # [BLOCK_N, D]
         if KV_FP8:
-            v = v.to(q.dtype)
+            # The select keeps the fp8 -> 16-bit widening ahead of the shared-memory staging of
+            # V, so the dot reads a 16-bit tile (transposing loads) instead of gathering V's
+            # key-strided bytes one at a time (one shared load per byte).
+            v = tl.where(k_valid[:, None], v.to(q.dtype), 0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -448,17 +467,21 @@ def paged_attention(
             block_n & (block_n - 1) or block_n < 16)):
         raise ValueError(f"bad tiles block_m={block_m}, block_n={block_n} for GQA group {group}")
     block_q = block_m // group
+    one_query_decode = max_query_len <= 1 and head_dim <= 128
     if num_splits is None:
         num_splits = choose_num_splits(
             num_seqs, num_kv_heads, max_query_len, _num_sms(query.device), num_tokens=num_tokens, block_q=block_q
         )
+        if kv_fp8 and one_query_decode:
+            num_splits = max(num_splits, _FP8_DECODE_MIN_SPLITS)
     elif not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
     # Every query fits one tile: one program per sequence (a plain or a multi-query decode).
     decode = max(1, max_query_len) <= block_q
-    if max_query_len <= 1 and num_splits == 1 and not kv_fp8 and head_dim <= 128:
+    if one_query_decode and (num_splits == 1 or kv_fp8):
         # A large decode batch: 128-key tiles in two stages (on an H200, 256 rows x 320 keys of
-        # the 8B shape: 116 us per layer against 140 with 64 keys in three stages).
+        # the 8B shape: 116 us per layer against 140 with 64 keys in three stages; an fp8 tile
+        # of 128 keys is the bytes of a 64-key bf16 one).
         block_n = block_n or 128
         num_stages = num_stages or 2
     block_n = block_n or default_n
@@ -509,6 +532,7 @@ def paged_attention(
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         SPLIT=split,
         KV_FP8=kv_fp8,
+        FP8_DOT_F16=kv_fp8 and query.dtype != torch.float32,
         DECODE=decode,
         num_warps=num_warps or (4 if block_m * max(16, next_power_of_2(head_dim)) <= 64 * 128 else 8),
         **({"num_stages": num_stages} if num_stages else {}),
