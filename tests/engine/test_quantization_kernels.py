@@ -16,7 +16,12 @@ pytest.importorskip("triton")
 
 from tidal_engine.kernels.gemv_choice import load_choices, save_choices  # noqa: E402
 from tidal_engine.kernels.triton.gemv import GEMV_CONFIGS, GemvConfig  # noqa: E402
-from tidal_engine.kernels.triton.quant_fp8 import FP8_GEMV_CONFIGS, fp8_gemv, quantize_rows_fp8  # noqa: E402
+from tidal_engine.kernels.triton.quant_fp8 import (  # noqa: E402
+    FP8_GEMV_CONFIGS,
+    Fp8GemvConfig,
+    fp8_gemv,
+    quantize_rows_fp8,
+)
 from tidal_engine.kernels.triton.quant_int4 import INT4_GEMV_CONFIGS, int4_gemm, int4_gemv  # noqa: E402
 from tidal_engine.layers.linear import Linear  # noqa: E402
 from tidal_engine.quantization.base import GEMV_MAX_ROWS  # noqa: E402
@@ -75,7 +80,8 @@ def test_fp8_gemv_matches_the_dequantized_weights(rows: int, bias: bool) -> None
     b = torch.randn(45) if bias else None
     x = torch.randn(rows, 300)
     expected = torch.nn.functional.linear(x, q.float() * scale[:, None], b)
-    for config in (GemvConfig(8, 128, 2), GemvConfig(2, 64, 1)):
+    # The plain loop, and the K loop software-pipelined (three K tiles: prologue, steady state, drain).
+    for config in (GemvConfig(2, 64, 1), Fp8GemvConfig(8, 128, 2, 2)):
         got = fp8_gemv(x, q, scale, b, config)
         assert got.shape == (rows, 45) and got.dtype == torch.float32
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
@@ -165,6 +171,8 @@ def test_quantized_choices_survive_the_disk(tmp_path: Path) -> None:
     choices = {
         (4096, 1024, torch.bfloat16, False): GEMV_CONFIGS[1],
         (6144, 4096, "fp8r1", False): FP8_GEMV_CONFIGS[2],
+        (4096, 4096, "fp8r1", False): Fp8GemvConfig(4, 1024, 4, 2),  # its plain twin is a candidate too
+        (4096, 4096, "fp8r4", False): Fp8GemvConfig(4, 1024, 4),
         (6144, 4096, "fp8r4", False): None,
         (4096, 12288, "int4g128r1", True): INT4_GEMV_CONFIGS[3],
     }

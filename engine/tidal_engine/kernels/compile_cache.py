@@ -59,10 +59,14 @@ def shape_key(n: int, k: int, dtype: Any, bias: bool) -> str:
 
 
 def encode_choice(choice: Any) -> dict[str, int] | None:
-    """A GemvConfig as JSON (None: cuBLAS)."""
+    """A GemvConfig as JSON (None: cuBLAS); a pipelined one (FP8's) adds its ``num_stages``."""
     if choice is None:
         return None
-    return {"block_n": int(choice.block_n), "block_k": int(choice.block_k), "num_warps": int(choice.num_warps)}
+    data = {"block_n": int(choice.block_n), "block_k": int(choice.block_k), "num_warps": int(choice.num_warps)}
+    stages = int(getattr(choice, "num_stages", 1))
+    if stages != 1:
+        data["num_stages"] = stages
+    return data
 
 
 def decode_choice(data: dict[str, int] | None, candidates: tuple[Any, ...]) -> tuple[bool, Any]:

@@ -7,12 +7,17 @@
   activations are not quantized here (W8A16), which is slightly more exact than the W8A8
   path of larger batches. Each program takes ``BLOCK_N`` output rows of one input row;
   the input rows' programs of one weight tile run next to each other (input row is the
-  fastest grid axis), so a few rows read the weights from HBM about once.
+  fastest grid axis), so a few rows read the weights from HBM about once. An fp8 tile holds
+  half the bytes of a bf16 one, so a program keeps fewer bytes in flight for the registers
+  its accumulator costs; ``num_stages`` > 1 software-pipelines the K loop (the weight and
+  activation tiles stream through shared memory that many iterations ahead, by cp.async).
 - ``quantize_rows_fp8``: dynamic per-token activation quantization in one kernel (absmax of
   the row → scale = absmax / 448 → e4m3), in front of ``torch._scaled_mm`` for larger batches.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -23,17 +28,31 @@ from tidal_engine.kernels.triton.gemv import GemvConfig, check_grid_rows
 FP8_MAX = tl.constexpr(448.0)
 MIN_SCALE = tl.constexpr(1e-12)  # an all-zero row still gets a finite scale (as quantization/fp8.py)
 
-# The candidates timed at start-up (kernels/gemv_choice.py): one byte a weight, so wider K tiles.
-FP8_GEMV_CONFIGS: tuple[GemvConfig, ...] = (
-    GemvConfig(1, 2048, 4),
-    GemvConfig(2, 1024, 4),
-    GemvConfig(2, 2048, 8),
-    GemvConfig(4, 512, 4),
-    GemvConfig(4, 1024, 4),
-    GemvConfig(4, 2048, 8),
-    GemvConfig(8, 512, 4),
-    GemvConfig(8, 1024, 8),
-    GemvConfig(16, 512, 8),
+
+
+@dataclass(frozen=True)
+class Fp8GemvConfig(GemvConfig):
+    """A GemvConfig with ``num_stages``: 1 is the plain loop, more pipelines it."""
+
+    num_stages: int = 1
+
+
+# The candidates timed at start-up (kernels/gemv_choice.py): one byte a weight, so wider K
+# tiles. On the H200 (2026-12-01) the plain loop's best were (8, 512, 4) and (4, 1024, 4) at
+# 2.2-3.2 TB/s; the pipelined ones keep more of each program's weights in flight.
+FP8_GEMV_CONFIGS: tuple[Fp8GemvConfig, ...] = (
+    Fp8GemvConfig(2, 1024, 4),
+    Fp8GemvConfig(4, 1024, 4),
+    Fp8GemvConfig(8, 512, 4),
+    Fp8GemvConfig(8, 1024, 8),
+    Fp8GemvConfig(2, 2048, 4, 2),
+    Fp8GemvConfig(4, 1024, 4, 2),
+    Fp8GemvConfig(4, 1024, 4, 3),
+    Fp8GemvConfig(4, 2048, 4, 2),
+    Fp8GemvConfig(8, 512, 4, 3),
+    Fp8GemvConfig(8, 1024, 4, 2),
+    Fp8GemvConfig(8, 1024, 8, 3),
+    Fp8GemvConfig(16, 512, 8, 3),
 )
 
 
@@ -52,6 +71,7 @@ def _fp8_gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     m = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -59,7 +79,7 @@ def _fp8_gemv_kernel(
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
     x_row = x_ptr + m.to(tl.int64) * stride_xm
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < K
         x = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)
@@ -73,7 +93,8 @@ def _fp8_gemv_kernel(
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
              config: GemvConfig) -> torch.Tensor:
-    """``x [M, K]`` (16/32-bit) @ ``(weight [N, K] e4m3 * scale [N, 1])^T (+ bias)`` → ``[M, N]`` in x's dtype."""
+    """``x [M, K]`` (16/32-bit) @ ``(weight [N, K] e4m3 * scale [N, 1])^T (+ bias)`` → ``[M, N]`` in x's dtype.
+    ``config``: a GemvConfig, or an Fp8GemvConfig to pipeline the loop."""
     if x.dim() != 2:
         raise ValueError(f"fp8_gemv takes x of shape [M, K]; got {tuple(x.shape)}")
     n, k = weight.shape
@@ -91,7 +112,7 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: t
     _fp8_gemv_kernel[(m, triton.cdiv(n, config.block_n))](
         x, weight, scale, bias if bias is not None else scale, out, n, k, x.stride(0), weight.stride(0),
         out.stride(0), BLOCK_N=config.block_n, BLOCK_K=config.block_k, HAS_BIAS=bias is not None,
-        num_warps=config.num_warps,
+        STAGES=getattr(config, "num_stages", 1), num_warps=config.num_warps,
     )
     return out
 
@@ -132,4 +153,4 @@ def quantize_rows_fp8(x: torch.Tensor, out_dtype: torch.dtype = torch.float8_e4m
     return q, scale
 
 
-__all__ = ["FP8_GEMV_CONFIGS", "fp8_gemv", "quantize_rows_fp8"]
+__all__ = ["FP8_GEMV_CONFIGS", "Fp8GemvConfig", "fp8_gemv", "quantize_rows_fp8"]
