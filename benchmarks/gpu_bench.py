@@ -32,8 +32,8 @@ dummy, no tokenizer, nothing written to disk but config.json):
                      graph (embedding to logits, sampling excluded) over a KV cache filled with
                      random values through a shuffled block table; the KV blocks the same
                      gpu_memory_utilization budget holds; and (attention_sweep, --skip takes it)
-                     the paged-attention kernel alone on layer 0's cache for KV split counts
-                     1/2/4/8 and key tiles 32/64/128.
+                     the paged-attention kernel alone on layer 0's cache: the engine's launch,
+                     then KV split counts 1/2/4 and key tiles 64/128/256.
 Benchmarks (suite quant: weight quantization, issue 15; --load-format dummy, random weights through
 Tidal's quantizer, nothing on disk but config.json): quant_<format> for each of --quantization
 (default none,fp8; awq/gptq: asymmetric g128 through a config.json that names the format): single_stream
@@ -691,10 +691,11 @@ def gpu_ms(fn: Callable[[], Any], reps: int = 10, warmup: int = 2) -> float:
 
 
 def sweep_attention(runner: Any, block_tables: torch.Tensor, batch: int, context: int,
-                    splits: tuple[int, ...] = (1, 2, 4, 8), block_ns: tuple[int, ...] = (32, 64, 128)) -> dict[str, Any]:
-    """The paged-attention kernel alone at the decode shape, over layer 0's cache, for the KV
-    split counts and key tiles the kernel takes as overrides (the engine's pick: splits=1,
-    block_n=64 here): how far from the read rate one layer's attention is, and what helps."""
+                    splits: tuple[int, ...] = (1, 2, 4), block_ns: tuple[int, ...] = (64, 128, 256)) -> dict[str, Any]:
+    """The paged-attention kernel alone at the decode shape, over layer 0's cache: first the
+    engine's own launch (``engine_default``: no overrides; bf16: 1 split of 128-key tiles, fp8:
+    2 splits of 128-key tiles at batch 64), then the KV split counts and key tiles the kernel
+    takes as overrides: how far from the read rate one layer's attention is, and what helps."""
     from tidal_engine.kernels.triton.paged_attention import paged_attention
 
     attn = runner.model.layers[runner.model.start_layer].self_attn
@@ -706,16 +707,19 @@ def sweep_attention(runner: Any, block_tables: torch.Tensor, batch: int, context
     starts = torch.arange(batch + 1, dtype=torch.int64, device=dev)
     layer_bytes = cache.element_size() * 2 * batch * context * cache.shape[3] * dim
     out: dict[str, Any] = {"kv_bytes_per_layer": layer_bytes}
-    for n in splits:
-        for bn in block_ns:
-            def call() -> Any:
-                return paged_attention(q, cache, block_tables, seq_lens, starts, dim**-0.5, 1, block_n=bn,
-                                       num_splits=n, k_scale=attn.attn.k_scale, v_scale=attn.attn.v_scale)
-            try:
-                us = gpu_ms(call) * 1e3
-                out[f"splits{n}_block_n{bn}"] = {"us": us, "read_TB_s": layer_bytes / us / 1e6}
-            except Exception as exc:  # e.g. a tile that runs out of shared memory: record, go on
-                out[f"splits{n}_block_n{bn}"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+    settings: list[tuple[str, int | None, int | None]] = [("engine_default", None, None)]
+    settings += [(f"splits{n}_block_n{bn}", n, bn) for n in splits for bn in block_ns]
+    for name, n, bn in settings:
+        def call(n: int | None = n, bn: int | None = bn) -> Any:
+            return paged_attention(q, cache, block_tables, seq_lens, starts, dim**-0.5, 1, block_n=bn,
+                                   num_splits=n, k_scale=attn.attn.k_scale, v_scale=attn.attn.v_scale)
+        try:
+            us = gpu_ms(call) * 1e3
+            out[name] = {"us": us, "read_TB_s": layer_bytes / us / 1e6}
+        except Exception as exc:  # e.g. a tile that runs out of shared memory: record, go on
+            out[name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+            if "CUDA error" in str(exc):  # a device fault is sticky: nothing after it would run
+                break
     return out
 
 
