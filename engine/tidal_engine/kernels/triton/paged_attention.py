@@ -221,10 +221,12 @@ def _paged_attention_kernel(
             v_cache_ptr + slot_off[:, None] + d[None, :], mask=k_valid[:, None] & d_valid[None, :], other=0.0
         )  # [BLOCK_N, D]
         if KV_FP8:
-            # The select keeps the fp8 -> 16-bit widening ahead of the shared-memory staging of
-            # V, so the dot reads a 16-bit tile (transposing loads) instead of gathering V's
-            # key-strided bytes one at a time (one shared load per byte).
-            v = tl.where(k_valid[:, None], v.to(q.dtype), 0.0)
+            # Widened before V is staged in shared memory for the dot: the product with a per-key
+            # tensor (0 for keys past the end, whose loads are 0 anyway) keeps Triton from moving
+            # the widening after the staging, where the dot would gather V's key-strided bytes
+            # with one shared load per byte (sm_90 SASS: 128 LDS.U8 per thread and 128-key tile);
+            # staged as 16-bit, V is read by transposing ldmatrix, as a bf16 cache is.
+            v = v.to(q.dtype) * k_valid[:, None].to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
