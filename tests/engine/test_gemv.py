@@ -10,7 +10,14 @@ import torch
 pytest.importorskip("triton")
 
 from tidal_engine.kernels.gemv_choice import pick_fastest  # noqa: E402
-from tidal_engine.kernels.triton.gemv import GEMV_CONFIGS, GemvConfig, gemv  # noqa: E402
+from tidal_engine.kernels.triton.gemv import (  # noqa: E402
+    GEMV_CONFIGS,
+    GEMV_ROWS_CONFIGS,
+    GEMV_ROWS_MAX,
+    GemvConfig,
+    gemv,
+    gemv_rows,
+)
 from tidal_engine.layers.linear import Linear  # noqa: E402
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
@@ -131,3 +138,105 @@ def test_engine_chooses_per_shape_and_single_stream_still_decodes(tmp_path: obje
     assert routed_off == 0
     agree = sum(a == b for a, b in zip(with_choice, without))
     assert agree >= 7, (with_choice, without)  # bf16 sums in another order may flip one near-tie
+
+
+# ---- the few-row GEMV (2 to GEMV_ROWS_MAX rows: a speculative verify step of one sequence) ----
+
+
+@_cpu
+@pytest.mark.parametrize("rows", [1, 2, 5, GEMV_ROWS_MAX])
+@pytest.mark.parametrize("config", [GemvConfig(16, 64, 1), GemvConfig(32, 128, 2)], ids=str)
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_rows_matches_linear_on_cpu(rows: int, config: GemvConfig, bias: bool) -> None:
+    # fp32 (the interpreter's 16-bit dot is wrong); N and K not multiples of the tiles, and x a
+    # strided view of a wider tensor: masked edges and padding rows must add nothing.
+    torch.manual_seed(rows)
+    weight = torch.randn(45, 300)
+    b = torch.randn(45) if bias else None
+    x = torch.randn(rows, 600)[:, ::2]
+    got = gemv_rows(x, weight, b, config)
+    assert got.shape == (rows, 45) and got.dtype == torch.float32
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, b), rtol=1e-5, atol=1e-4)
+
+
+@_cpu
+def test_gemv_rows_rejects_bad_shapes() -> None:
+    weight = torch.randn(32, 16)
+    config = GEMV_ROWS_CONFIGS[0]
+    with pytest.raises(ValueError, match="rows"):
+        gemv_rows(torch.randn(GEMV_ROWS_MAX + 1, 16), weight, None, config)
+    with pytest.raises(ValueError, match="features"):
+        gemv_rows(torch.randn(2, 15), weight, None, config)
+    with pytest.raises(ValueError, match="block_n"):
+        gemv_rows(torch.randn(2, 16), weight, None, GemvConfig(8, 16, 1))
+    assert all(c.block_n >= 16 for c in GEMV_ROWS_CONFIGS)
+
+
+@_cpu
+def test_linear_routes_few_row_inputs_to_the_few_row_kernel() -> None:
+    # One row keeps the one-row kernel (and its choice); 2..GEMV_ROWS_MAX rows take gemv_config_few
+    # when set; more rows, or no few-row choice, stay on torch.
+    torch.manual_seed(2)
+    layer = Linear(64, 24, bias=True)
+    torch.nn.init.normal_(layer.weight)
+    torch.nn.init.normal_(layer.bias)
+    import tidal_engine.kernels.triton.gemv as module
+
+    calls: list[tuple[str, int]] = []
+    one, rows = module.gemv, module.gemv_rows
+    module.gemv = lambda x, *a, **k: calls.append(("one", x.shape[0])) or one(x, *a, **k)  # type: ignore[assignment]
+    module.gemv_rows = lambda x, *a, **k: calls.append(("few", x.shape[0])) or rows(x, *a, **k)  # type: ignore[assignment]
+    try:
+        inputs = {m: torch.randn(m, 64) for m in (1, 2, GEMV_ROWS_MAX, GEMV_ROWS_MAX + 1)}
+        for x in inputs.values():
+            layer(x)
+        assert calls == []  # no choice: torch for every row count
+        layer.gemv_config, layer.gemv_config_few = GemvConfig(8, 32, 1), GemvConfig(16, 32, 1)
+        outs = {m: layer(x) for m, x in inputs.items()}
+    finally:
+        module.gemv, module.gemv_rows = one, rows  # type: ignore[assignment]
+    assert calls == [("one", 1), ("few", 2), ("few", GEMV_ROWS_MAX)]
+    for m, x in inputs.items():
+        torch.testing.assert_close(outs[m], torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-4)
+
+
+def test_few_row_choices_keep_the_one_row_keys_and_come_back_from_disk(tmp_path: object) -> None:
+    # The few-row choice is stored under its own kind ("bfloat16r8"), next to the one-row key
+    # (N, K, torch dtype, bias), and reads back as the same candidate.
+    from pathlib import Path
+
+    from tidal_engine.kernels.gemv_choice import load_choices, save_choices
+
+    path = Path(str(tmp_path)) / "choices.json"
+    few_kind = f"bfloat16r{GEMV_ROWS_MAX}"
+    choices = {(4096, 4096, torch.bfloat16, False): GEMV_CONFIGS[1], (4096, 4096, few_kind, False): GEMV_ROWS_CONFIGS[2],
+               (1024, 4096, few_kind, True): None}
+    save_choices(path, choices)
+    assert load_choices(path, GEMV_CONFIGS) == choices
+
+
+@pytest.mark.gpu
+@_needs_cuda
+@_compiled
+@pytest.mark.parametrize("shape", [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (151936, 4096), (1000, 96)])
+def test_gemv_rows_matches_linear_gpu(shape: tuple[int, int]) -> None:
+    # The compiled few-row kernel, bf16, the 8B shapes (and a small odd one), every candidate
+    # tile, 2 / 5 / 8 rows and a bias; a tile the GPU cannot run is skipped, as start-up skips it.
+    torch.manual_seed(0)
+    n, k = shape
+    weight = (torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16)
+    bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+    ran = 0
+    for rows in (2, 5, GEMV_ROWS_MAX):
+        x = torch.randn(rows, k, device="cuda").to(torch.bfloat16)
+        expected = torch.nn.functional.linear(x.float(), weight.float(), bias.float())
+        for config in GEMV_ROWS_CONFIGS:
+            try:
+                got = gemv_rows(x, weight, bias, config).float()
+            except Exception as exc:  # noqa: BLE001 - out of resources: start-up skips the tile too
+                if "CUDA error" in str(exc):
+                    raise
+                continue
+            ran += 1
+            torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
+    assert ran >= 3 * (len(GEMV_ROWS_CONFIGS) - 2)

@@ -4,7 +4,9 @@ Triton GEMV (``kernels/triton/gemv.py``) with one of its tile shapes.
 The model runner calls ``choose_gemv`` at start-up on CUDA (16-bit weights only: fp32 keeps
 cuBLAS, so the fp32 parity tests see the same matmuls as before). Each ``Linear`` then carries
 ``gemv_config`` (None: cuBLAS) and uses it whenever its input has exactly one row, which is the
-single-stream decode step and its CUDA graph. ``TIDAL_GEMV=0`` turns the choice off.
+single-stream decode step and its CUDA graph, and ``gemv_config_few`` for 2 to ``GEMV_ROWS_MAX``
+rows (the few-row GEMV, timed at that many rows; a speculative verify step of one sequence has
+k + 1; key kind ``bfloat16r8``). ``TIDAL_GEMV=0`` turns the choice off.
 
 Quantized linears whose method has a small-batch kernel (quantization/base.py's
 ``SmallBatchKernel``: FP8 and INT4) get the same treatment against their own general path
@@ -138,6 +140,38 @@ def _choose_small_batch(module: nn.Module, cache: dict[Any, Candidate], dtype: t
     return module.gemv_config is not None
 
 
+def _choose_few_rows(weight: torch.Tensor, bias: torch.Tensor | None, cache: dict[Any, Candidate],
+                     copies: list[torch.Tensor] | None) -> Candidate:
+    """The few-row GEMV tile for a 16-bit weight (2 to ``GEMV_ROWS_MAX`` rows: a speculative
+    verify step), timed at ``GEMV_ROWS_MAX`` rows against cuBLAS; key kind ``bfloat16r8``."""
+    from tidal_engine.kernels.triton.gemv import GEMV_ROWS_CONFIGS, GEMV_ROWS_MAX, gemv_rows
+
+    key = (weight.shape[0], weight.shape[1], f"{str(weight.dtype).removeprefix('torch.')}r{GEMV_ROWS_MAX}",
+           bias is not None)
+    if key in cache:
+        return cache[key]
+    copies = copies or rotation_copies(weight)
+    x = torch.randn(GEMV_ROWS_MAX, weight.shape[1], dtype=weight.dtype, device=weight.device)
+    reference = torch.nn.functional.linear(x, weight, bias).float()
+    timings: dict[Candidate, float] = {None: time_in_graph(lambda w: torch.nn.functional.linear(x, w, bias), copies)}
+    for config in GEMV_ROWS_CONFIGS:
+        try:
+            got = gemv_rows(x, weight, bias, config).float()
+        except Exception as exc:  # e.g. Triton out of shared memory on this GPU: not a candidate here
+            if is_device_fault(exc):
+                raise  # the CUDA context is unusable after a fault: skipping would hide it
+            logger.warning("few-row GEMV %s failed on %s: %s; not used", config, key[:2], exc)
+            continue
+        if not torch.allclose(got, reference, rtol=2e-2, atol=2e-2 * reference.abs().max().item()):
+            logger.warning("few-row GEMV %s disagrees with cuBLAS on %s; not used", config, key[:2])
+            continue
+        timings[config] = time_in_graph(lambda w, c=config: gemv_rows(x, w, bias, c), copies)
+    cache[key] = pick_fastest(timings)
+    logger.info("%d-row linear %dx%d: %s (%s)", GEMV_ROWS_MAX, key[0], key[1], cache[key] or "cuBLAS",
+                ", ".join(f"{c or 'cuBLAS'}={t * 1e6:.1f}us" for c, t in timings.items()))
+    return cache[key]
+
+
 def _run_dtype(module: nn.Module, fallback: torch.dtype) -> torch.dtype:
     """The dtype of the module's first 16-bit parameter (the model's run dtype), else ``fallback``."""
     for t in module.parameters():
@@ -168,6 +202,7 @@ def choose_gemv(model: nn.Module, cache: dict[tuple[int, int, torch.dtype, bool]
                 continue
             weight, bias = module.weight, module.bias
             key = (weight.shape[0], weight.shape[1], weight.dtype, bias is not None)
+            copies: list[torch.Tensor] | None = None
             if key not in cache:
                 x = torch.randn(1, weight.shape[1], dtype=weight.dtype, device=weight.device)
                 reference = torch.nn.functional.linear(x, weight, bias).float()
@@ -182,11 +217,12 @@ def choose_gemv(model: nn.Module, cache: dict[tuple[int, int, torch.dtype, bool]
                         logger.warning("GEMV %s disagrees with cuBLAS on %s; not used", config, key[:2])
                         continue
                     timings[config] = time_in_graph(lambda w, c=config: gemv(x, w, bias, c), copies)
-                del copies
                 cache[key] = pick_fastest(timings)
                 logger.info("one-row linear %dx%d: %s (%s)", key[0], key[1], cache[key] or "cuBLAS",
                             ", ".join(f"{c or 'cuBLAS'}={t * 1e6:.1f}us" for c, t in timings.items()))
             module.gemv_config = cache[key]
+            module.gemv_config_few = _choose_few_rows(weight, bias, cache, copies)
+            del copies
             chosen["gemv" if cache[key] is not None else "cublas"] += 1
     return chosen
 
@@ -221,7 +257,12 @@ def load_choices(path: Path, candidates: tuple[Any, ...]) -> dict[ChoiceKey, Can
 
 
 def _quantized_candidates(kind: str) -> tuple[Any, ...] | None:
-    """The small-batch kernel candidates of a quantized kind (``fp8r1``, ``int4g64r4``...)."""
+    """The small-batch kernel candidates of a quantized kind (``fp8r1``, ``int4g64r4``...), or
+    of the 16-bit few-row GEMV (``bfloat16r8``, ``float16r8``)."""
+    if kind.startswith(("bfloat16r", "float16r")):
+        from tidal_engine.kernels.triton.gemv import GEMV_ROWS_CONFIGS
+
+        return GEMV_ROWS_CONFIGS
     if kind.startswith("fp8r"):
         from tidal_engine.kernels.triton.quant_fp8 import FP8_GEMV_CONFIGS
 

@@ -1,4 +1,4 @@
-"""Matrix-vector product for one-row inputs (single-stream decode): ``y = x W^T + b``, x ``[1, K]``.
+"""Matrix-vector products for one-row and few-row inputs: ``y = x W^T + b``, x ``[M, K]``.
 
 At batch 1 every linear layer is a pure weight read, and cuBLAS's GEMM kernels reach only
 1-3 TB/s on the few-megabyte matrices of a small model (its tiles are built for many rows).
@@ -6,6 +6,13 @@ This kernel gives each program ``BLOCK_N`` output rows and streams their weights
 ``BLOCK_K``-wide, fully contiguous tiles, accumulating ``w * x`` in fp32 and reducing once at
 the end. Which tile shape wins (or whether cuBLAS does) depends on the matrix and the GPU, so
 ``kernels/gemv_choice.py`` times the candidates once per weight shape at start-up.
+
+``gemv_rows`` takes 2 to ``GEMV_ROWS_MAX`` rows (a speculative verify step of one sequence has
+k + 1 = 5): each program reads its ``BLOCK_N`` weight rows once for all input rows, which ride
+as the 16-row side of a tensor-core product (``tl.dot(w, x^T)``; padding rows are masked, and
+for a memory-bound product their multiplies cost nothing). cuBLAS's GEMMs are built for many
+rows; at a few rows they read the weights at a fraction of the bandwidth. Chosen per weight
+shape by measurement at ``GEMV_ROWS_MAX`` rows, as the one-row kernel is.
 """
 
 from __future__ import annotations
@@ -47,6 +54,24 @@ GEMV_CONFIGS: tuple[GemvConfig, ...] = (
 )
 
 
+# Inputs of 2 to this many rows may go to ``gemv_rows`` (its dot pads them to 16).
+GEMV_ROWS_MAX = 8
+
+# Its candidates: block_n >= 16 (the dot's smallest tile side), the weight tile streamed in
+# GEMV_ROWS_STAGES software-pipelined stages.
+GEMV_ROWS_CONFIGS: tuple[GemvConfig, ...] = (
+    GemvConfig(16, 128, 4),
+    GemvConfig(16, 256, 4),
+    GemvConfig(16, 512, 4),
+    GemvConfig(32, 128, 4),
+    GemvConfig(32, 256, 4),
+    GemvConfig(64, 128, 4),
+    GemvConfig(64, 256, 8),
+)
+GEMV_ROWS_STAGES = 4
+_ROWS_PAD = 16  # the input rows' side of the dot
+
+
 @triton.jit
 def _gemv_kernel(
     x_ptr,
@@ -74,6 +99,82 @@ def _gemv_kernel(
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
+
+
+@triton.jit
+def _gemv_rows_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    ms = tl.arange(0, BLOCK_M)
+    m_ok = ms < M
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
+    x_rows = x_ptr + ms.to(tl.int64)[:, None] * stride_xm
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        w = tl.load(w_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = tl.dot(w, tl.trans(x), acc, input_precision=INPUT_PRECISION)  # [BLOCK_N, BLOCK_M], fp32
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    out = out_ptr + ms.to(tl.int64)[None, :] * stride_om + rows[:, None]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & m_ok[None, :])
+
+
+def gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig) -> torch.Tensor:
+    """``x [M, K] @ weight [N, K]^T (+ bias [N])`` → ``[M, N]`` in x's dtype, for 1 <= M <=
+    ``GEMV_ROWS_MAX``; each weight element is read once (fp32 accumulation)."""
+    if x.dim() != 2 or not 1 <= x.shape[0] <= GEMV_ROWS_MAX:
+        raise ValueError(f"gemv_rows takes 1 to {GEMV_ROWS_MAX} rows, x of shape [M, K]; got {tuple(x.shape)}")
+    if config.block_n < _ROWS_PAD:
+        raise ValueError(f"gemv_rows needs block_n >= {_ROWS_PAD}, got {config.block_n}")
+    m, k = x.shape
+    n = weight.shape[0]
+    if weight.shape[1] != k:
+        raise ValueError(f"x has {k} features, weight expects {weight.shape[1]}")
+    if weight.stride(1) != 1:
+        raise ValueError("weight's last dim must be contiguous")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    _gemv_rows_kernel[(triton.cdiv(n, config.block_n),)](
+        x,
+        weight,
+        bias if bias is not None else weight,  # unused without a bias
+        out,
+        m,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        BLOCK_M=_ROWS_PAD,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        HAS_BIAS=bias is not None,
+        NUM_STAGES=GEMV_ROWS_STAGES,
+        INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 (tests): no TF32 rounding
+        num_warps=config.num_warps,
+    )
+    return out
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig) -> torch.Tensor:
@@ -105,4 +206,4 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, confi
     return out
 
 
-__all__ = ["GEMV_CONFIGS", "GemvConfig", "gemv"]
+__all__ = ["GEMV_CONFIGS", "GEMV_ROWS_CONFIGS", "GEMV_ROWS_MAX", "GemvConfig", "check_grid_rows", "gemv", "gemv_rows"]
