@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tidal_engine.spec_decode import NgramProposer, SpeculativeConfig, rejection_sample
+from tidal_engine.spec_decode.rejection_sampler import greedy_verify_ids
 
 # chi-square critical values at p = 0.001 (df = V - 1); the seeds are fixed, so no flakes.
 CHI2_999 = {5: 20.515}
@@ -75,8 +76,8 @@ def test_ngram_batch_equals_rows_one_by_one() -> None:
 
 
 # ---- rejection sampler -------------------------------------------------------------------
-@pytest.mark.parametrize("all_greedy", [False, True], ids=["general", "greedy-only"])
-def test_greedy_rows_emit_the_argmax_chain(all_greedy: bool) -> None:
+@pytest.mark.parametrize("all_greedy", [False, True, "ids"], ids=["general", "greedy-only", "argmax-ids"])
+def test_greedy_rows_emit_the_argmax_chain(all_greedy: bool | str) -> None:
     gen = torch.Generator().manual_seed(0)
     rows, k, vocab = 200, 4, 7
     logits = torch.randn(rows, k + 1, vocab, generator=gen)
@@ -86,8 +87,11 @@ def test_greedy_rows_emit_the_argmax_chain(all_greedy: bool) -> None:
     num_drafts = torch.randint(0, k + 1, (rows,), generator=gen)
     # The greedy-only path reads raw logits (only their argmax matters).
     target = logits if all_greedy else logits.softmax(-1)
-    tokens, emitted = rejection_sample(target, drafts, num_drafts, torch.ones(rows, dtype=torch.bool),
-                                       generator=gen, all_greedy=all_greedy)
+    if all_greedy == "ids":  # the verify step's greedy path: from the argmaxes, not the logits
+        tokens, emitted = greedy_verify_ids(argmax, drafts, num_drafts)
+    else:
+        tokens, emitted = rejection_sample(target, drafts, num_drafts, torch.ones(rows, dtype=torch.bool),
+                                           generator=gen, all_greedy=bool(all_greedy))
     for r in range(rows):
         expected = []
         for j in range(int(num_drafts[r]) + 1):  # what decoding without speculation emits
@@ -96,6 +100,34 @@ def test_greedy_rows_emit_the_argmax_chain(all_greedy: bool) -> None:
                 break
         assert tokens[r, : int(emitted[r])].tolist() == expected
         assert (tokens[r, int(emitted[r]):] == -1).all()
+
+
+def test_verify_index_matches_a_per_row_layout() -> None:
+    # runner/verify.py builds a step's index arrays without a per-row loop: compare with the
+    # per-row definition on a batch mixing rows without drafts, with fewer than k and with k.
+    from tidal_engine.runner.verify import _VerifyIndex
+
+    drafts = [[], [7, 8, 9, 10], [3], [], [4, 5], [11, 12, 13, 14]]
+    lens = [3, 9, 2, 1, 6, 5]  # tokens of each sampling sequence in the flat batch
+    sample_rows = np.cumsum(lens) - 1
+    index = _VerifyIndex(sample_rows, drafts)
+    k = 4
+    rows, plain, spec, ids, nd = [], [], [], [], []
+    for end, d in zip(sample_rows, drafts):
+        start = len(rows)
+        rows += list(range(end - len(d), end + 1))
+        if d:
+            spec += [start + min(j, len(d)) for j in range(k + 1)]
+            ids.append(d + [0] * (k - len(d)))
+            nd.append(len(d))
+        else:
+            plain.append(start)
+    assert index.k == k
+    assert index.logit_rows.tolist() == rows and index.plain_index.tolist() == plain
+    assert index.spec_index.tolist() == spec and index.draft_ids.tolist() == ids and index.num_drafts.tolist() == nd
+    assert index.plain_pos.tolist() == [0, 3] and index.spec_pos.tolist() == [1, 2, 4, 5]
+    up = index.upload(torch.device("cpu"))
+    assert [t.tolist() for t in up] == [rows, plain, spec, ids, nd]
 
 
 def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:

@@ -12,6 +12,7 @@ feeds tokens on the device, and the result is read on the host right after.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +20,7 @@ import numpy as np
 import torch
 
 from tidal_engine.runner.sampler import GREEDY_EPS, filtered_probs
-from tidal_engine.spec_decode.rejection_sampler import rejection_sample
+from tidal_engine.spec_decode.rejection_sampler import greedy_verify_ids, rejection_sample
 
 if TYPE_CHECKING:
     from tidal_engine.runner.input_buffers import StepInput, StepLayout
@@ -74,6 +75,45 @@ def _stage(runner: ModelRunner, step: StepInput, allow_graphs: bool) -> tuple[St
     return layout, lambda: runner.model(ids, positions, runner.kv_caches, meta)
 
 
+class _VerifyIndex:
+    """A verify step's index arrays, built on the host (numpy, no per-row Python loop).
+
+    ``logit_rows``: the flat rows whose logits are computed (each sampling sequence's last
+    ``drafts + 1`` tokens, in order); ``plain_index`` / ``spec_index``: rows of those logits for
+    the rows without drafts / the ``k + 1`` positions of each drafting row (a row with fewer
+    than ``k`` drafts repeats its last); ``draft_ids`` ``[r, k]`` (zeros past a row's drafts)."""
+
+    def __init__(self, sample_rows: np.ndarray, drafts: list[list[int]]) -> None:
+        nd = np.fromiter((len(d) for d in drafts), dtype=np.int64, count=len(drafts))
+        counts = nd + 1
+        starts = np.cumsum(counts) - counts
+        self.logit_rows = np.repeat(sample_rows - nd, counts) + np.arange(int(counts.sum())) - np.repeat(starts, counts)
+        spec = nd > 0
+        self.plain_pos = np.flatnonzero(~spec)
+        self.spec_pos = np.flatnonzero(spec)
+        self.num_drafts = nd[self.spec_pos]
+        self.k = k = int(nd.max())
+        self.plain_index = starts[self.plain_pos]
+        self.spec_index = (starts[self.spec_pos, None] + np.minimum(np.arange(k + 1), self.num_drafts[:, None])).reshape(-1)
+        self.draft_ids = np.zeros((len(self.spec_pos), k), dtype=np.int64)
+        if len(self.spec_pos):
+            flat = np.fromiter(itertools.chain.from_iterable(drafts[i] for i in self.spec_pos), dtype=np.int64,
+                               count=int(self.num_drafts.sum()))
+            self.draft_ids[np.arange(k) < self.num_drafts[:, None]] = flat  # row-major: each row's drafts in order
+
+    def upload(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """(logit_rows, plain_index, spec_index, draft_ids [r, k], num_drafts) on ``device`` in one
+        copy; on CUDA from pinned memory without waiting (the forward is already queued)."""
+        parts = [self.logit_rows, self.plain_index, self.spec_index, self.draft_ids.reshape(-1), self.num_drafts]
+        host = torch.from_numpy(np.concatenate(parts))
+        if device.type == "cuda":
+            flat = host.pin_memory().to(device, non_blocking=True)  # the caching host allocator keeps it until copied
+        else:
+            flat = host.to(device)
+        rows, plain, spec, draft_ids, nd = torch.split(flat, [len(x) for x in parts])
+        return rows, plain, spec, draft_ids.view(len(self.spec_pos), self.k), nd
+
+
 def execute_verify(
     runner: ModelRunner,
     step: StepInput,
@@ -83,33 +123,14 @@ def execute_verify(
     allow_graphs: bool = True,
 ) -> VerifiedTokens | None:
     layout, forward = _stage(runner, step, allow_graphs)
+    hidden = forward()  # queued first: the verification's indices are built while it runs
     if not layout.num_samples:
-        forward()
         return None
-    # Logit rows: for each sampling sequence, its last num_drafts + 1 tokens.
-    ends = layout.sample_rows  # flat index of each sampling sequence's last token
-    nd = np.asarray([len(d) for d in drafts], dtype=np.int64)
-    counts = nd + 1
-    first = np.repeat(ends - nd, counts)
-    offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-    starts = np.cumsum(counts) - counts
-    plain_pos = [i for i in range(len(drafts)) if nd[i] == 0]
-    spec_pos = [i for i in range(len(drafts)) if nd[i] > 0]
-    k = int(nd.max())
-    r = len(spec_pos)
-    draft_ids = np.zeros((r, k), dtype=np.int64)
-    for j, i in enumerate(spec_pos):
-        draft_ids[j, : nd[i]] = drafts[i]
-    spec_index = np.concatenate([starts[i] + np.minimum(np.arange(k + 1), nd[i]) for i in spec_pos]) if spec_pos else []
-    # Every index the step needs, in one host → device copy queued before the forward (a copy
-    # from pageable memory after it would wait for it before the next launches are queued).
-    parts = [first + offsets, starts[plain_pos], spec_index, draft_ids.reshape(-1), nd[spec_pos]]
-    sizes = [len(x) for x in parts]
-    uploaded = torch.as_tensor(np.concatenate(parts).astype(np.int64), device=runner.device)
-    rows_t, plain_index, spec_index_t, draft_ids_t, nd_t = torch.split(uploaded, sizes)
-    hidden = forward()
+    index = _VerifyIndex(layout.sample_rows, drafts)
+    rows_t, plain_index, spec_index_t, draft_ids_t, nd_t = index.upload(runner.device)
     logits = runner.model.compute_logits(hidden.index_select(0, rows_t))
     sampler = runner.sampler
+    plain_pos, spec_pos = index.plain_pos.tolist(), index.spec_pos.tolist()
     plain = None
     if plain_pos:
         plain_ids = [sample_req_ids[i] for i in plain_pos]
@@ -117,25 +138,27 @@ def execute_verify(
         plain = sampler.sample(logits.index_select(0, plain_index), plain_ids, masks)
     spec = None
     if spec_pos:
+        k, r = index.k, len(spec_pos)
         vocab = logits.shape[1]
-        spec_logits = logits.index_select(0, spec_index_t).view(r, k + 1, vocab)
         options = [sampler.options_of(sample_req_ids[i]) for i in spec_pos]
         greedy = [o.temperature < GREEDY_EPS for o in options]
-        all_greedy = all(greedy)
-        probs = spec_logits if all_greedy else spec_logits.float()
-        sampled_rows = [j for j, g in enumerate(greedy) if not g]
-        if sampled_rows:  # the target's filtered distribution, as the plain sampler draws from
-            flat = spec_logits[sampled_rows].reshape(-1, vocab)
+        if all(greedy):  # argmaxes only: one per logit row, then gathered (not the [r, k + 1, V] logits)
+            argmax = logits.argmax(dim=1).index_select(0, spec_index_t).view(r, k + 1)
+            spec = greedy_verify_ids(argmax, draft_ids_t, nd_t)
+        else:
+            probs = logits.index_select(0, spec_index_t).view(r, k + 1, vocab)
+            sampled_rows = [j for j, g in enumerate(greedy) if not g]
+            # The target's filtered distribution, as the plain sampler draws from (greedy rows
+            # keep their logits: only their argmax is read).
+            flat = probs[sampled_rows].reshape(-1, vocab)
             rep = k + 1
             o = [options[j] for j in sampled_rows]
             dist = filtered_probs(flat, [x.temperature for x in o for _ in range(rep)],
                                   [x.top_k for x in o for _ in range(rep)], [x.top_p for x in o for _ in range(rep)],
                                   [x.min_p for x in o for _ in range(rep)])
             probs[sampled_rows] = dist.view(len(sampled_rows), rep, vocab)
-        greedy_t = torch.ones(r, dtype=torch.bool, device=logits.device) if all_greedy else \
-            torch.as_tensor(greedy, device=logits.device)
-        spec = rejection_sample(probs, draft_ids_t.view(r, k), nd_t, greedy_t, generator=sampler.generator,
-                                all_greedy=all_greedy)
+            greedy_t = torch.as_tensor(greedy, device=logits.device)
+            spec = rejection_sample(probs, draft_ids_t, nd_t, greedy_t, generator=sampler.generator)
         for i in spec_pos:  # the worker adds the rest once it knows how many were emitted
             sampler.count_extra(sample_req_ids[i], 1)
     return VerifiedTokens(plain, plain_pos, spec, spec_pos, len(drafts))

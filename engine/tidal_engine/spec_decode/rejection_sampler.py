@@ -87,13 +87,29 @@ def rejection_sample(
 
 def _greedy_verify(target: torch.Tensor, drafts: torch.Tensor, is_draft: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Every row greedy: accept the leading drafts that are the argmax, then emit the argmax."""
-    rows, positions, _ = target.shape
+    return _accept_argmax(target.argmax(dim=2), drafts, is_draft)
+
+
+def greedy_verify_ids(argmax: torch.Tensor, draft_token_ids: torch.Tensor,
+                      num_drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rejection_sample(..., all_greedy=True)`` from the target's argmaxes ``[R, k+1]``
+    (int64) instead of its distributions: the same ``(tokens, num_emitted)``. A draft id outside
+    the vocabulary is never an argmax, so it is rejected as in ``rejection_sample``."""
+    rows, positions = argmax.shape
     k = positions - 1
-    argmax = target.argmax(dim=2)  # [R, k+1]
+    if draft_token_ids.shape != (rows, k) or num_drafts.shape != (rows,):
+        raise ValueError("draft_token_ids must be [R, k] and num_drafts [R], with argmax [R, k+1]")
+    is_draft = torch.arange(k, device=argmax.device)[None, :] < num_drafts[:, None]
+    return _accept_argmax(argmax, draft_token_ids, is_draft)
+
+
+def _accept_argmax(argmax: torch.Tensor, drafts: torch.Tensor, is_draft: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, positions = argmax.shape
+    k = positions - 1
     num_accepted = ((argmax[:, :k] == drafts) & is_draft).long().cumprod(dim=1).sum(dim=1)
-    keep = torch.arange(k, device=target.device)[None, :] < num_accepted[:, None]
-    tokens = torch.full((rows, k + 1), -1, dtype=torch.long, device=target.device)
+    keep = torch.arange(k, device=argmax.device)[None, :] < num_accepted[:, None]
+    tokens = torch.full((rows, k + 1), -1, dtype=torch.long, device=argmax.device)
     tokens[:, :k] = torch.where(keep, drafts, tokens[:, :k])
-    row_ids = torch.arange(rows, device=target.device)
+    row_ids = torch.arange(rows, device=argmax.device)
     tokens[row_ids, num_accepted] = argmax[row_ids, num_accepted]
     return tokens, num_accepted + 1
