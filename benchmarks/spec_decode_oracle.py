@@ -153,6 +153,49 @@ class OracleProposer:
         return out
 
 
+class StepTimer:
+    """GPU time per step, from CUDA events recorded around each ``runner.execute`` call (no
+    synchronisation until ``finish``). The start event runs when the stream reaches it: right
+    away in a synchronous step, after the previous step's work with async scheduling, so in
+    both cases end - start is this step's device time (launch gaps inside it included). Wall
+    time per step minus it is the host time that the device waited for."""
+
+    def __init__(self, runner: Any) -> None:
+        self.runner = runner
+        self.pairs: list[tuple[Any, Any]] = []
+        self.steps = 0
+        self._execute = runner.execute
+
+    def __enter__(self) -> "StepTimer":
+        import torch
+
+        cuda = torch.cuda.is_available()
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            self.steps += 1
+            if not cuda:
+                return self._execute(*args, **kwargs)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = self._execute(*args, **kwargs)
+            end.record()
+            self.pairs.append((start, end))
+            return out
+
+        self.runner.execute = timed
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if "execute" in vars(self.runner):
+            del self.runner.execute
+
+    def ms_per_step(self) -> float | None:
+        if not self.pairs:
+            return None
+        self.pairs[-1][1].synchronize()
+        return sum(a.elapsed_time(b) for a, b in self.pairs) / len(self.pairs)
+
+
 def _first_diff(a: list[list[int]], b: list[list[int]]) -> int | None:
     """The first output index where any request differs (None: identical)."""
     diffs = [next((i for i, (x, y) in enumerate(zip(p, q)) if x != y), None if len(p) == len(q) else min(len(p), len(q)))
@@ -169,7 +212,8 @@ def run_case(llm: Any, prompts: list[list[int]], max_tokens: int, k: int, accept
     core.proposer, core.async_scheduling = None, True  # the plain engine's default on a GPU
     llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))  # warm
     start = time.perf_counter()
-    base = llm.generate(prompts, params)
+    with StepTimer(llm.engine.runner) as base_timer:
+        base = llm.generate(prompts, params)
     base_s = time.perf_counter() - start
     recorded = {tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, base)}
     oracle = OracleProposer(k, recorded, accept, core.vocab_size)
@@ -178,7 +222,8 @@ def run_case(llm: Any, prompts: list[list[int]], max_tokens: int, k: int, accept
     runner = llm.engine.runner
     replays = runner.verify_graphs.num_replays if runner.verify_graphs is not None else None
     start = time.perf_counter()
-    spec = llm.generate(prompts, params)
+    with StepTimer(runner) as spec_timer:
+        spec = llm.generate(prompts, params)
     spec_s = time.perf_counter() - start
     after = llm.engine.get_stats()
     core.proposer = None
@@ -202,7 +247,11 @@ def run_case(llm: Any, prompts: list[list[int]], max_tokens: int, k: int, accept
             "accepted_per_verify_row_measured": accepted / max(1, verify_steps),
             "oracle_proposals": oracle.proposals, "oracle_intended_accepted": oracle.intended_accepted,
             "tokens_per_verify_row": (accepted + verify_steps) / max(1, verify_steps),
-            "verify_graph_replays": None if replays is None else runner.verify_graphs.num_replays - replays}
+            "verify_graph_replays": None if replays is None else runner.verify_graphs.num_replays - replays,
+            "baseline_steps": base_timer.steps, "spec_steps": spec_timer.steps,
+            "baseline_wall_ms_per_step": 1e3 * base_s / max(1, base_timer.steps),
+            "spec_wall_ms_per_step": 1e3 * spec_s / max(1, spec_timer.steps),
+            "baseline_gpu_ms_per_step": base_timer.ms_per_step(), "spec_gpu_ms_per_step": spec_timer.ms_per_step()}
 
 
 def per_token_acceptance(accepted_per_pos: list[int], verify_rows: int) -> float:
@@ -221,6 +270,12 @@ def main() -> None:
     ap.add_argument("--models", default="/tmp/tidal-bench-models")
     ap.add_argument("--cases", default="single_k4_acc100,single_k4_acc50,single_k4_acc0,batch64_k4_acc70")
     args = ap.parse_args()
+    import logging
+
+    # The start-up choice of one-row and few-row GEMVs per weight shape, with its timings.
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logging.getLogger("tidal_engine.kernels.gemv_choice").setLevel(logging.INFO)
+    logging.getLogger("tidal_engine.runner.model_runner").setLevel(logging.INFO)
     from gpu_bench import make_config_folder
 
     from tidal_engine import LLM
