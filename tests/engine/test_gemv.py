@@ -174,8 +174,8 @@ def test_gemv_rows_rejects_bad_shapes() -> None:
 
 @_cpu
 def test_linear_routes_few_row_inputs_to_the_few_row_kernel() -> None:
-    # One row keeps the one-row kernel (and its choice); 2..GEMV_ROWS_MAX rows take gemv_config_few
-    # when set; more rows, or no few-row choice, stay on torch.
+    # One row keeps the one-row kernel (and its choice); 2..GEMV_ROWS_MAX rows take their entry of
+    # gemv_rows_configs when it is a config; more rows, None entries or no few-row choice stay on torch.
     torch.manual_seed(2)
     layer = Linear(64, 24, bias=True)
     torch.nn.init.normal_(layer.weight)
@@ -191,26 +191,26 @@ def test_linear_routes_few_row_inputs_to_the_few_row_kernel() -> None:
         for x in inputs.values():
             layer(x)
         assert calls == []  # no choice: torch for every row count
-        layer.gemv_config, layer.gemv_config_few = GemvConfig(8, 32, 1), GemvConfig(16, 32, 1)
+        layer.gemv_config = GemvConfig(8, 32, 1)
+        layer.gemv_rows_configs = {m: GemvConfig(16, 32, 1) if m > 2 else None for m in range(2, GEMV_ROWS_MAX + 1)}
         outs = {m: layer(x) for m, x in inputs.items()}
     finally:
         module.gemv, module.gemv_rows = one, rows  # type: ignore[assignment]
-    assert calls == [("one", 1), ("few", 2), ("few", GEMV_ROWS_MAX)]
+    assert calls == [("one", 1), ("few", GEMV_ROWS_MAX)]  # 2 rows: cuBLAS won that bucket
     for m, x in inputs.items():
         torch.testing.assert_close(outs[m], torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-4)
 
 
 def test_few_row_choices_keep_the_one_row_keys_and_come_back_from_disk(tmp_path: object) -> None:
-    # The few-row choice is stored under its own kind ("bfloat16r8"), next to the one-row key
-    # (N, K, torch dtype, bias), and reads back as the same candidate.
+    # The few-row choices are stored under their own kinds ("bfloat16r2" ... "r8"), next to the
+    # one-row key (N, K, torch dtype, bias), and read back as the same candidates.
     from pathlib import Path
 
     from tidal_engine.kernels.gemv_choice import load_choices, save_choices
 
     path = Path(str(tmp_path)) / "choices.json"
-    few_kind = f"bfloat16r{GEMV_ROWS_MAX}"
-    choices = {(4096, 4096, torch.bfloat16, False): GEMV_CONFIGS[1], (4096, 4096, few_kind, False): GEMV_ROWS_CONFIGS[2],
-               (1024, 4096, few_kind, True): None}
+    choices = {(4096, 4096, torch.bfloat16, False): GEMV_CONFIGS[1], (4096, 4096, "bfloat16r8", False): GEMV_ROWS_CONFIGS[2],
+               (4096, 4096, "bfloat16r2", False): None, (1024, 4096, "float16r4", True): GEMV_ROWS_CONFIGS[0]}
     save_choices(path, choices)
     assert load_choices(path, GEMV_CONFIGS) == choices
 

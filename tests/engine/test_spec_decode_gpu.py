@@ -56,3 +56,38 @@ def test_verify_graphs_keep_the_greedy_tokens(tiny_dir: Path, max_num_batched_to
     assert spec == base
     assert runner.verify_graphs.num_replays > 0
     assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+
+
+def test_verify_steps_through_the_few_row_gemv_in_bf16(tiny_dir: Path, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    # bf16, with the start-up choice forced onto the Triton kernels (the fastest kernel, never
+    # cuBLAS), so every k + 1-row linear of a verify step (and of 2..8-row decode batches) runs
+    # the few-row GEMV inside the captured graphs. bf16 sums in another order may flip a near-tie,
+    # so the speculative tokens must equal the plain ones for all prompts but at most one.
+    from tidal_engine import LLM, SamplingParams
+    from tidal_engine.kernels import gemv_choice
+    from tidal_engine.layers.linear import LinearBase
+
+    def fastest_kernel(timings: dict) -> object:
+        return min((c for c in timings if c is not None), key=timings.__getitem__, default=None)
+
+    monkeypatch.setattr(gemv_choice, "pick_fastest", fastest_kernel)
+    llm = LLM(str(tiny_dir), device="cuda", dtype="bfloat16", max_model_len=512, num_gpu_blocks_override=256,
+              cuda_graph_sizes=[1, 2, 4, 8], cache_dir=str(tmp_path),  # no stored choices
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3})
+    runner = llm.engine.runner
+    linears = [m for m in runner.model.modules() if isinstance(m, LinearBase)]
+    assert linears and all(m.gemv_rows_configs is not None and m.gemv_rows_configs[4] is not None for m in linears)
+    prompts = [p * 4 for p in SAMPLE_PROMPTS]
+    params = [SamplingParams(temperature=0.0, max_tokens=24 + 4 * i, ignore_eos=True) for i in range(len(prompts))]
+    core = llm.engine.core
+    proposer, core.proposer = core.proposer, None
+    base = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    core.proposer = proposer
+    single = [llm.generate([p], q)[0].outputs[0].token_ids for p, q in zip(prompts, params)]  # 4-row verify steps
+    spec = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    stats = llm.engine.get_stats()
+    assert runner.verify_graphs is not None and runner.verify_graphs.num_replays > 0
+    assert stats.spec_decode_num_accepted_tokens > 0
+    assert sum(a == b for a, b in zip(single, base)) >= len(prompts) - 1, (single, base)
+    assert sum(a == b for a, b in zip(spec, base)) >= len(prompts) - 1, (spec, base)

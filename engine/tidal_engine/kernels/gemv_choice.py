@@ -4,9 +4,10 @@ Triton GEMV (``kernels/triton/gemv.py``) with one of its tile shapes.
 The model runner calls ``choose_gemv`` at start-up on CUDA (16-bit weights only: fp32 keeps
 cuBLAS, so the fp32 parity tests see the same matmuls as before). Each ``Linear`` then carries
 ``gemv_config`` (None: cuBLAS) and uses it whenever its input has exactly one row, which is the
-single-stream decode step and its CUDA graph, and ``gemv_config_few`` for 2 to ``GEMV_ROWS_MAX``
-rows (the few-row GEMV, timed at that many rows; a speculative verify step of one sequence has
-k + 1; key kind ``bfloat16r8``). ``TIDAL_GEMV=0`` turns the choice off.
+single-stream decode step and its CUDA graph; ``gemv_rows_configs`` (row count → config or None)
+for 2 to ``GEMV_ROWS_MAX`` rows: the few-row GEMV, chosen per row bucket 2 / 4 / 8 (key kinds
+``bfloat16r2`` ... ``bfloat16r8``; a speculative verify step of one sequence has k + 1 rows, a
+small decode batch B). ``TIDAL_GEMV=0`` turns the choice off.
 
 Quantized linears whose method has a small-batch kernel (quantization/base.py's
 ``SmallBatchKernel``: FP8 and INT4) get the same treatment against their own general path
@@ -141,35 +142,41 @@ def _choose_small_batch(module: nn.Module, cache: dict[Any, Candidate], dtype: t
 
 
 def _choose_few_rows(weight: torch.Tensor, bias: torch.Tensor | None, cache: dict[Any, Candidate],
-                     copies: list[torch.Tensor] | None) -> Candidate:
-    """The few-row GEMV tile for a 16-bit weight (2 to ``GEMV_ROWS_MAX`` rows: a speculative
-    verify step), timed at ``GEMV_ROWS_MAX`` rows against cuBLAS; key kind ``bfloat16r8``."""
-    from tidal_engine.kernels.triton.gemv import GEMV_ROWS_CONFIGS, GEMV_ROWS_MAX, gemv_rows
+                     copies: list[torch.Tensor] | None) -> dict[int, Candidate] | None:
+    """The few-row GEMV tile for a 16-bit weight, per row bucket of ``GEMV_ROW_BUCKETS`` (timed
+    at the bucket's row count against cuBLAS; key kind ``bfloat16r2`` / ``r4`` / ``r8``). Returns
+    row count (2..GEMV_ROWS_MAX) → its bucket's choice, or None when cuBLAS won every bucket."""
+    from tidal_engine.kernels.triton.gemv import GEMV_ROW_BUCKETS, GEMV_ROWS_CONFIGS, gemv_rows
 
-    key = (weight.shape[0], weight.shape[1], f"{str(weight.dtype).removeprefix('torch.')}r{GEMV_ROWS_MAX}",
-           bias is not None)
-    if key in cache:
-        return cache[key]
-    copies = copies or rotation_copies(weight)
-    x = torch.randn(GEMV_ROWS_MAX, weight.shape[1], dtype=weight.dtype, device=weight.device)
-    reference = torch.nn.functional.linear(x, weight, bias).float()
-    timings: dict[Candidate, float] = {None: time_in_graph(lambda w: torch.nn.functional.linear(x, w, bias), copies)}
-    for config in GEMV_ROWS_CONFIGS:
-        try:
-            got = gemv_rows(x, weight, bias, config).float()
-        except Exception as exc:  # e.g. Triton out of shared memory on this GPU: not a candidate here
-            if is_device_fault(exc):
-                raise  # the CUDA context is unusable after a fault: skipping would hide it
-            logger.warning("few-row GEMV %s failed on %s: %s; not used", config, key[:2], exc)
-            continue
-        if not torch.allclose(got, reference, rtol=2e-2, atol=2e-2 * reference.abs().max().item()):
-            logger.warning("few-row GEMV %s disagrees with cuBLAS on %s; not used", config, key[:2])
-            continue
-        timings[config] = time_in_graph(lambda w, c=config: gemv_rows(x, w, bias, c), copies)
-    cache[key] = pick_fastest(timings)
-    logger.info("%d-row linear %dx%d: %s (%s)", GEMV_ROWS_MAX, key[0], key[1], cache[key] or "cuBLAS",
-                ", ".join(f"{c or 'cuBLAS'}={t * 1e6:.1f}us" for c, t in timings.items()))
-    return cache[key]
+    per_bucket: dict[int, Candidate] = {}
+    for rows in GEMV_ROW_BUCKETS:
+        key = (weight.shape[0], weight.shape[1], f"{str(weight.dtype).removeprefix('torch.')}r{rows}", bias is not None)
+        if key not in cache:
+            copies = copies or rotation_copies(weight)
+            x = torch.randn(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
+            reference = torch.nn.functional.linear(x, weight, bias).float()
+            timings: dict[Candidate, float] = {
+                None: time_in_graph(lambda w: torch.nn.functional.linear(x, w, bias), copies)
+            }
+            for config in GEMV_ROWS_CONFIGS:
+                try:
+                    got = gemv_rows(x, weight, bias, config).float()
+                except Exception as exc:  # e.g. Triton out of shared memory on this GPU: not a candidate here
+                    if is_device_fault(exc):
+                        raise  # the CUDA context is unusable after a fault: skipping would hide it
+                    logger.warning("few-row GEMV %s failed on %s: %s; not used", config, key[:2], exc)
+                    continue
+                if not torch.allclose(got, reference, rtol=2e-2, atol=2e-2 * reference.abs().max().item()):
+                    logger.warning("few-row GEMV %s disagrees with cuBLAS on %s; not used", config, key[:2])
+                    continue
+                timings[config] = time_in_graph(lambda w, c=config: gemv_rows(x, w, bias, c), copies)
+            cache[key] = pick_fastest(timings)
+            logger.info("%d-row linear %dx%d: %s (%s)", rows, key[0], key[1], cache[key] or "cuBLAS",
+                        ", ".join(f"{c or 'cuBLAS'}={t * 1e6:.1f}us" for c, t in timings.items()))
+        per_bucket[rows] = cache[key]
+    if all(c is None for c in per_bucket.values()):
+        return None
+    return {m: per_bucket[min(b for b in GEMV_ROW_BUCKETS if b >= m)] for m in range(2, max(GEMV_ROW_BUCKETS) + 1)}
 
 
 def _run_dtype(module: nn.Module, fallback: torch.dtype) -> torch.dtype:
@@ -221,7 +228,7 @@ def choose_gemv(model: nn.Module, cache: dict[tuple[int, int, torch.dtype, bool]
                 logger.info("one-row linear %dx%d: %s (%s)", key[0], key[1], cache[key] or "cuBLAS",
                             ", ".join(f"{c or 'cuBLAS'}={t * 1e6:.1f}us" for c, t in timings.items()))
             module.gemv_config = cache[key]
-            module.gemv_config_few = _choose_few_rows(weight, bias, cache, copies)
+            module.gemv_rows_configs = _choose_few_rows(weight, bias, cache, copies)
             del copies
             chosen["gemv" if cache[key] is not None else "cublas"] += 1
     return chosen

@@ -84,13 +84,6 @@ def _packed(what: str, pack: int, start: int, size: int, offset: int, full: int)
     return start // pack, size // pack, offset // pack, full // pack
 
 
-def few_rows_max() -> int:
-    """The most rows the 16-bit few-row GEMV takes (kernels/triton/gemv.py, imported lazily)."""
-    from tidal_engine.kernels.triton.gemv import GEMV_ROWS_MAX
-
-    return GEMV_ROWS_MAX
-
-
 # ---- the quantization seam ---------------------------------------------------------------
 class LinearMethod(ABC):
     """How one linear stores its (sharded) weights and multiplies by them."""
@@ -117,7 +110,7 @@ class LinearMethod(ABC):
 
 class UnquantizedLinearMethod(LinearMethod):
     """Plain ``[out, in]`` weights; one-row inputs may go to the Triton GEMV (``gemv_config``),
-    inputs of 2 to ``GEMV_ROWS_MAX`` rows to its few-row variant (``gemv_config_few``)."""
+    inputs of a few rows to its few-row variant (``gemv_rows_configs``: row count → config)."""
 
     def create_weights(self, layer: "LinearBase", in_features: int, out_features: int, dtype: torch.dtype | None) -> None:
         weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
@@ -130,8 +123,8 @@ class UnquantizedLinearMethod(LinearMethod):
             from tidal_engine.kernels.triton.gemv import gemv
 
             return gemv(x, layer.weight, bias, config)
-        few = layer.gemv_config_few
-        if few is not None and x.dim() == 2 and 2 <= x.shape[0] <= few_rows_max():
+        few = layer.gemv_rows_configs.get(x.shape[0]) if layer.gemv_rows_configs is not None and x.dim() == 2 else None
+        if few is not None:
             from tidal_engine.kernels.triton.gemv import gemv_rows
 
             return gemv_rows(x, layer.weight, bias, few)
@@ -146,7 +139,7 @@ class LinearBase(nn.Module):
     tensor, local size); ``input_range``: (start, local size) of the input columns."""
 
     gemv_config: Any = None  # set per layer by kernels/gemv_choice.py (CUDA, one-row inputs)
-    gemv_config_few: Any = None  # the same for few-row inputs (see the method's ``apply``)
+    gemv_rows_configs: dict[int, Any] | None = None  # the same per row count 2..8 (kernels/triton/gemv.py gemv_rows)
 
     def __init__(
         self,

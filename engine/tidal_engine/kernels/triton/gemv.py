@@ -12,7 +12,7 @@ k + 1 = 5): each program reads its ``BLOCK_N`` weight rows once for all input ro
 as the 16-row side of a tensor-core product (``tl.dot(w, x^T)``; padding rows are masked, and
 for a memory-bound product their multiplies cost nothing). cuBLAS's GEMMs are built for many
 rows; at a few rows they read the weights at a fraction of the bandwidth. Chosen per weight
-shape by measurement at ``GEMV_ROWS_MAX`` rows, as the one-row kernel is.
+shape and row bucket (2, 4, 8) by measurement, as the one-row kernel is.
 """
 
 from __future__ import annotations
@@ -54,8 +54,11 @@ GEMV_CONFIGS: tuple[GemvConfig, ...] = (
 )
 
 
-# Inputs of 2 to this many rows may go to ``gemv_rows`` (its dot pads them to 16).
+# Inputs of 2 to this many rows may go to ``gemv_rows`` (its dot pads them to 16). The choice
+# against cuBLAS is made per bucket (timed at the bucket's row count; a row count uses the
+# smallest bucket that holds it), since cuBLAS's kernel for 2 rows is not its kernel for 8.
 GEMV_ROWS_MAX = 8
+GEMV_ROW_BUCKETS = (2, 4, 8)
 
 # Its candidates: block_n >= 16 (the dot's smallest tile side), the weight tile streamed in
 # GEMV_ROWS_STAGES software-pipelined stages.
@@ -206,4 +209,4 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, confi
     return out
 
 
-__all__ = ["GEMV_CONFIGS", "GEMV_ROWS_CONFIGS", "GEMV_ROWS_MAX", "GemvConfig", "check_grid_rows", "gemv", "gemv_rows"]
+__all__ = ["GEMV_CONFIGS", "GEMV_ROWS_CONFIGS", "GEMV_ROWS_MAX", "GEMV_ROW_BUCKETS", "GemvConfig", "check_grid_rows", "gemv", "gemv_rows"]
