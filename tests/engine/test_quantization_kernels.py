@@ -22,7 +22,13 @@ from tidal_engine.kernels.triton.quant_fp8 import (  # noqa: E402
     fp8_gemv,
     quantize_rows_fp8,
 )
-from tidal_engine.kernels.triton.quant_int4 import INT4_GEMV_CONFIGS, int4_gemm, int4_gemv  # noqa: E402
+from tidal_engine.kernels.triton.quant_int4 import (  # noqa: E402
+    INT4_GEMV_CONFIGS,
+    GroupGemvConfig,
+    gemm_tiles,
+    int4_gemm,
+    int4_gemv,
+)
 from tidal_engine.layers.linear import Linear  # noqa: E402
 from tidal_engine.quantization.base import GEMV_MAX_ROWS  # noqa: E402
 from tidal_engine.quantization.fp8 import FP8, Fp8LinearMethod, quantize_rows, quantize_tokens  # noqa: E402
@@ -118,9 +124,31 @@ def test_int4_kernels_match_the_reference_for_both_layouts(fmt: str, group: int,
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
         got = int4_gemv(x, *weights, group, None, GemvConfig(32, 64, 1))  # BLOCK_N past N: masked rows
         torch.testing.assert_close(got, expected - b, rtol=1e-5, atol=1e-4)
+    # By groups (x: the 3 rows): whole tiles; then rows and groups past the edges (16 ∤ 40, 4 groups a step).
+    got = int4_gemv(x, *weights, group, b, GroupGemvConfig(8, 2 * group, 2))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
+    got = int4_gemv(x, *weights, group, None, GroupGemvConfig(16, 4 * group, 1))
+    torch.testing.assert_close(got, expected - b, rtol=1e-5, atol=1e-4)
     x = torch.randn(20, 256)  # two row tiles of 16, one of them partial
+    b = torch.randn(40)
     got = int4_gemm(x, *weights, group, None, tiles=(16, 16, 32, 1, 1))
     torch.testing.assert_close(got, torch.nn.functional.linear(x, deq), rtol=1e-5, atol=1e-4)
+    # A step of a whole group (the GPU's tiles), column tiles past N, a bias.
+    got = int4_gemm(x, *weights, group, b, tiles=(16, 32, group, 2, 1))
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, deq, b), rtol=1e-5, atol=1e-4)
+
+
+@_cpu
+def test_gemm_tiles_keep_a_step_inside_one_group() -> None:
+    for group in (16, 32, 64, 128, 256, 48):
+        for rows in (1, 16, 17, 256, 257, 8192):
+            block_m, block_n, block_k, _, _ = gemm_tiles(rows, group)
+            assert group % block_k == 0 and block_k % 16 == 0
+        assert gemm_tiles(1, group)[:2] == (16, 32)
+    assert gemm_tiles(128, 128)[:3] == (64, 64, 128)
+    assert gemm_tiles(4096, 128)[:3] == (128, 128, 64)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        gemm_tiles(4, 8)
 
 
 @_cpu
@@ -133,6 +161,8 @@ def test_int4_kernels_refuse_what_they_cannot_read() -> None:
         int4_gemm(torch.randn(2, 128), *weights, 48, None)
     with pytest.raises(ValueError, match="whole number of words"):
         int4_gemv(torch.randn(1, 128), *weights, 64, None, GemvConfig(8, 12, 2))
+    with pytest.raises(ValueError, match="power-of-two number of groups"):
+        int4_gemv(torch.randn(1, 128), *weights, 64, None, GroupGemvConfig(8, 192, 2))
 
 
 @_cpu
@@ -228,13 +258,15 @@ def test_int4_kernels_match_gpu(fmt: str, group: int, symmetric: bool, shape: tu
     n, k = shape
     layer, deq = _int4_layer(fmt, n, k, group, symmetric, device="cuda", dtype=torch.bfloat16)
     weights = (layer.qweight, layer.scales, layer.zeros)
-    for rows in (1, GEMV_MAX_ROWS, 16, 300):
+    for rows in (1, GEMV_MAX_ROWS, 16, 128, 300):  # the GEMM's three tile classes
         x = torch.randn(rows, k, device="cuda").to(torch.bfloat16)
         expected = torch.nn.functional.linear(x.float(), deq)
         tol = {"rtol": 2e-2, "atol": 2e-2 * expected.abs().max().item()}
         torch.testing.assert_close(int4_gemm(x, *weights, group, None).float(), expected, **tol)
         if rows <= GEMV_MAX_ROWS:
-            for config in INT4_GEMV_CONFIGS:
+            # Every candidate at groups of 128 (the benchmark's); one of each kernel at 64 (compiling costs).
+            configs = INT4_GEMV_CONFIGS if group == 128 else (GroupGemvConfig(8, 1024, 4), GemvConfig(8, 512, 4))
+            for config in configs:
                 torch.testing.assert_close(int4_gemv(x, *weights, group, None, config).float(), expected, **tol)
 
 
@@ -262,6 +294,18 @@ def test_choice_sets_small_batch_kernels_and_they_replay_in_a_cuda_graph() -> No
             graph.replay()
             torch.cuda.synchronize()
             torch.testing.assert_close(out, eager, rtol=0, atol=0)
+    # The INT4 GEMM (rows past the small-batch kernels) in a graph, each tile class compiled by the
+    # choice's warm-up before any capture.
+    for rows in (16, 128, 300):
+        x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
+        eager = int4(x)
+        static = x.clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = int4(static)
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, eager, rtol=0, atol=0)
 
 
 @_cpu

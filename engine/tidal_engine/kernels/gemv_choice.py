@@ -138,6 +138,7 @@ def _choose_small_batch(module: nn.Module, cache: dict[Any, Candidate], dtype: t
                         ", ".join(f"{c or 'general'}={t * 1e6:.1f}us" for c, t in timings.items()))
         setattr(module, attr, cache[key])
     del copies
+    method.warm_up(module, dtype)
     return module.gemv_config is not None
 
 

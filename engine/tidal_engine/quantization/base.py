@@ -85,6 +85,10 @@ class SmallBatchKernel(ABC):
     def run_general(self, layer: Any, x: Any, weights: tuple[Any, ...], bias: Any) -> Any:
         """The path for any number of rows on this device."""
 
+    def warm_up(self, layer: Any, dtype: Any) -> None:
+        """Compile what the general path may run at any row count, before CUDA graphs are
+        captured (the choice calls it once per layer). Nothing by default."""
+
     def apply_2d(self, layer: Any, x: Any, bias: Any) -> Any:
         """``x [M, K]``: the chosen small-batch kernel for few rows, else the general path."""
         rows = x.shape[0]

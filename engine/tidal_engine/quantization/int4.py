@@ -14,7 +14,7 @@ After loading, both are repacked into one layout that the kernels read row by ro
 ``qweight`` ``[out, in/8]`` (8 inputs a word, in order), ``scales`` and ``zeros`` ``[out, in/g]``
 in the run dtype. On CUDA in 16 bits the matmul is Triton (kernels/triton/quant_int4.py): a
 dequantize-in-register GEMM, and for a few rows (decode) a GEMV that reads the words
-directly (its tile shape chosen per weight shape by measurement, kernels/gemv_choice.py).
+directly (its kernel and tile shape chosen per weight shape by measurement, kernels/gemv_choice.py).
 Elsewhere (CPU, fp32) it is the torch reference: dequantize, then multiply.
 """
 
@@ -162,6 +162,16 @@ class Int4LinearMethod(LinearMethod, SmallBatchKernel):
             return int4_gemm(x, *weights, self.group_size, bias)
         w = dequantize(*weights, self.group_size, x.dtype)
         return F.linear(x, w, bias)
+
+    def warm_up(self, layer: LinearBase, dtype: torch.dtype) -> None:
+        """One input per GEMM tile class, so none compiles while a decode graph is captured."""
+        if self.group_size % 16 or dtype not in (torch.bfloat16, torch.float16) or not layer.qweight.is_cuda:
+            return
+        from tidal_engine.kernels.triton.quant_int4 import GEMM_TILE_ROWS
+
+        for rows in GEMM_TILE_ROWS:
+            x = torch.zeros(rows, layer.in_features, dtype=dtype, device=layer.qweight.device)
+            self.run_general(layer, x, self.gemv_weights(layer), layer.bias)
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         shape = x.shape

@@ -2,18 +2,25 @@
 ``qweight`` int32 ``[N, K/8]`` (input ``8j + i`` of a row in nibble ``i`` of word ``j``),
 ``scales`` and ``zeros`` ``[N, K/g]`` in the run dtype, ``w[n, k] = (q - zeros[n, k/g]) * scales[n, k/g]``.
 
-- ``int4_gemv``: a few rows (decode). Each program streams ``BLOCK_N`` weight rows as words
-  and never builds the dequantized tile: a word's 8 inputs share one group, so
-  ``sum_i (q_i - z) s x_i = s (sum_i q_i x_i - z sum_i x_i)`` costs one shift, mask, convert
-  and fma per weight plus a few operations per word. Input rows are the fastest grid axis,
-  so the programs of a few rows share each weight tile through L2.
-- ``int4_gemm``: more rows (prefill, large decode batches). A ``[BLOCK_K, BLOCK_N]`` tile of
-  words is read (each word once per nibble: the loads of one word coalesce), unpacked and
-  dequantized to the activations' dtype in registers, then ``tl.dot``. ``BLOCK_K`` divides
-  the group size, so a tile needs one scale and zero per output column.
+- ``int4_gemv``: a few rows (decode), never building the dequantized tile: a word's 8 inputs
+  share one group, so ``sum_i (q_i - z) s x_i = s (sum_i q_i x_i - z sum_i x_i)``. Two kernels,
+  both candidates of the start-up choice (kernels/gemv_choice.py):
+  - by groups (``GroupGemvConfig``): a ``[BLOCK_N, groups, words of a group]`` tile of words a
+    step, loaded in 16-byte vectors; a thread holds several rows of the same few words, so one
+    load of the activations and one of each row's scale and zero serve many weights, and each
+    weight costs a mask-or, a subtraction and a multiply-add;
+  - by words (``GemvConfig``): ``BLOCK_K``-wide runs of words, scale and zero loaded per word.
+  Input rows are the fastest grid axis, so the programs of a few rows share the words in L2.
+- ``int4_gemm``: more rows (prefill, decode batches). A ``[BLOCK_N, BLOCK_K/8]`` tile of words
+  is loaded once, coalesced; each of its 8 nibbles is dequantized to the activations' dtype in
+  registers, the 8 planes are interleaved back into input order (``tl.join``, reshape) and fed
+  to ``tl.dot``. ``BLOCK_K`` divides the group size, so a step needs one scale and zero per
+  output column.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -24,26 +31,32 @@ from tidal_engine.kernels.triton.gemv import GemvConfig, check_grid_rows
 PACK = 8
 FLOAT_2_23_BITS = 0x4B000000  # float32 2^23: a small integer or-ed into its mantissa reads as 2^23 + it
 
+
+@dataclass(frozen=True)
+class GroupGemvConfig(GemvConfig):
+    """A tile of the by-groups GEMV: ``block_n`` rows × ``block_k`` inputs (whole groups) a step.
+    Its ``block_k`` values (1024 and up) are not those of the by-words candidates (up to 512), so a
+    choice stored as (block_n, block_k, num_warps) names one kernel."""
+
+
 # The candidates timed at start-up (kernels/gemv_choice.py); block_k counts weights (8 a word).
 INT4_GEMV_CONFIGS: tuple[GemvConfig, ...] = (
+    GroupGemvConfig(4, 2048, 1),
+    GroupGemvConfig(4, 2048, 4),
+    GroupGemvConfig(8, 2048, 2),
+    GroupGemvConfig(8, 1024, 4),
+    GroupGemvConfig(8, 2048, 4),
+    GroupGemvConfig(8, 4096, 8),
+    GroupGemvConfig(16, 1024, 4),
+    GroupGemvConfig(16, 2048, 4),
+    GroupGemvConfig(16, 2048, 8),
+    GroupGemvConfig(16, 4096, 8),
+    GroupGemvConfig(32, 1024, 8),
+    GroupGemvConfig(32, 2048, 8),
     GemvConfig(4, 512, 4),
-    GemvConfig(8, 256, 4),
     GemvConfig(8, 512, 4),
-    GemvConfig(8, 1024, 8),
-    GemvConfig(16, 256, 4),
     GemvConfig(16, 512, 4),
-    GemvConfig(16, 1024, 8),
-    GemvConfig(32, 256, 4),
-    GemvConfig(32, 512, 8),
 )
-
-
-@triton.jit
-def _nibble_to_float(words, i):
-    """Nibble ``i`` (0..7, or a tensor of them) of int32 ``words`` as float32 0..15. The bits go
-    into the mantissa of 2^23 and 2^23 is subtracted: two full-rate operations instead of an
-    int-to-float conversion, which runs at a quarter of the rate and bounds the GEMV."""
-    return (((words >> (4 * i)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
 
 
 # A word's nibble i is q * 16^(i%4) as a float after masking it in place (the upper four
@@ -119,6 +132,75 @@ def _int4_gemv_kernel(
     tl.store(out_ptr + m.to(tl.int64) * stride_om + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
+# The by-groups GEMV. Per step a tile of ``GROUPS`` whole groups of ``BLOCK_N`` rows: words
+# ``[BLOCK_N, GROUPS, GROUP/8]`` (16-byte loads along a group's words), scales and zeros
+# ``[BLOCK_N, GROUPS]``, and per nibble the activations of those words ``[GROUPS, GROUP/8]``,
+# shared by every row a thread holds. The weight math is the by-words kernel's.
+@triton.jit
+def _int4_group_gemv_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    z_ptr,
+    b_ptr,
+    out_ptr,
+    N,
+    K,
+    stride_xm,
+    stride_qn,
+    stride_sn,
+    stride_om,
+    magic,
+    GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GROUPS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    EVEN: tl.constexpr,
+):
+    GW: tl.constexpr = GROUP // 8  # words of a group
+    m = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    g = tl.arange(0, GROUPS)
+    t = tl.arange(0, GW)
+    rows64 = rows.to(tl.int64)
+    q_tile = q_ptr + rows64[:, None, None] * stride_qn + (g[None, :, None] * GW + t[None, None, :])
+    s_tile = s_ptr + rows64[:, None] * stride_sn + g[None, :]
+    z_tile = z_ptr + rows64[:, None] * stride_sn + g[None, :]
+    x_tile = x_ptr + m.to(tl.int64) * stride_xm + g[:, None] * GROUP + t[None, :] * 8
+    n_groups = K // GROUP
+    acc = tl.zeros([BLOCK_N, GROUPS], tl.float32)
+    for g0 in range(0, n_groups, GROUPS):
+        if EVEN:  # no masks: N and the groups are multiples of the tile
+            words = tl.load(q_tile + g0 * GW)
+            s = tl.load(s_tile + g0).to(tl.float32)
+            z = tl.load(z_tile + g0).to(tl.float32)
+        else:
+            g_ok = (g0 + g) < n_groups
+            ok = row_ok[:, None] & g_ok[None, :]
+            words = tl.load(q_tile + g0 * GW, mask=ok[:, :, None], other=0)
+            s = tl.load(s_tile + g0, mask=ok, other=0.0).to(tl.float32)
+            z = tl.load(z_tile + g0, mask=ok, other=0.0).to(tl.float32)
+        high = words >> 16
+        dot = tl.zeros([BLOCK_N, GROUPS, GW], tl.float32)
+        x_sum = tl.zeros([GROUPS, GW], tl.float32)
+        for i in tl.static_range(8):
+            if EVEN:
+                x_i = tl.load(x_tile + g0 * GROUP + i).to(tl.float32)
+            else:
+                x_i = tl.load(x_tile + g0 * GROUP + i, mask=g_ok[:, None], other=0.0).to(tl.float32)
+            x_sum += x_i
+            half = words if i < 4 else high
+            place = (half & (0xF << (4 * (i % 4)))) | magic
+            weight = place.to(tl.float32, bitcast=True) - 8388608.0
+            dot += weight * (x_i * (1.0 / (1 << (4 * (i % 4)))))[None, :, :]
+        acc += s * (tl.sum(dot, axis=2) - z * tl.sum(x_sum, axis=1)[None, :])
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + m.to(tl.int64) * stride_om + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
+
+
 def _check(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> None:
     if x.dim() != 2:
         raise ValueError(f"int4 kernels take x of shape [M, K]; got {tuple(x.shape)}")
@@ -134,13 +216,22 @@ def _check(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: 
         raise ValueError("qweight's and scales' last dims must be contiguous")
 
 
+def _is_power_of_two(value: int) -> bool:
+    return value > 0 and value & (value - 1) == 0
+
+
 def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
               bias: torch.Tensor | None, config: GemvConfig) -> torch.Tensor:
-    """``x [M, K] @ dequant(qweight)^T (+ bias)`` → ``[M, N]`` in x's dtype, for small M."""
+    """``x [M, K] @ dequant(qweight)^T (+ bias)`` → ``[M, N]`` in x's dtype, for small M; a
+    ``GroupGemvConfig`` runs the by-groups kernel, a plain ``GemvConfig`` the by-words one."""
     _check(x, qweight, scales, zeros, group_size)
     n, words = qweight.shape
     if config.block_k % PACK:
         raise ValueError(f"block_k {config.block_k} is not a whole number of words")
+    by_groups = isinstance(config, GroupGemvConfig)
+    if by_groups and (config.block_k % group_size or not _is_power_of_two(group_size)
+                      or not _is_power_of_two(config.block_k // group_size)):
+        raise ValueError(f"block_k {config.block_k} is not a power-of-two number of groups of {group_size}")
     check_grid_rows(n, config.block_n)
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -148,14 +239,31 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
+    grid = (m, triton.cdiv(n, config.block_n))
+    common = (x, qweight, scales, zeros, bias if bias is not None else scales, out, n, words * PACK, x.stride(0),
+              qweight.stride(0), scales.stride(0), out.stride(0), FLOAT_2_23_BITS)
+    if by_groups:
+        groups = config.block_k // group_size
+        _int4_group_gemv_kernel[grid](
+            *common, GROUP=group_size, BLOCK_N=config.block_n, GROUPS=groups, HAS_BIAS=bias is not None,
+            EVEN=n % config.block_n == 0 and (words * PACK // group_size) % groups == 0, num_warps=config.num_warps,
+        )
+        return out
     block_w = config.block_k // PACK
-    _int4_gemv_kernel[(m, triton.cdiv(n, config.block_n))](
-        x, qweight, scales, zeros, bias if bias is not None else scales, out, n, words * PACK, x.stride(0),
-        qweight.stride(0), scales.stride(0), out.stride(0), FLOAT_2_23_BITS, GROUP=group_size,
-        BLOCK_N=config.block_n, BLOCK_W=block_w, HAS_BIAS=bias is not None,
+    _int4_gemv_kernel[grid](
+        *common, GROUP=group_size, BLOCK_N=config.block_n, BLOCK_W=block_w, HAS_BIAS=bias is not None,
         EVEN=n % config.block_n == 0 and words % block_w == 0, num_warps=config.num_warps,
     )
     return out
+
+
+@triton.jit
+def _dequantize_nibbles(half, k: tl.constexpr, s, zs, magic):
+    """Nibble ``k`` (0..3) of each int32 in ``half`` as ``(q - z) * s``: masked in place (worth
+    ``q * 16^k``), read as a float through 2^23's mantissa, times ``s / 16^k``, minus ``z * s``.
+    With 16-bit scales every step is exact: the weight equals the reference's, bit for bit."""
+    place = (half & (0xF << (4 * k))) | magic
+    return (place.to(tl.float32, bitcast=True) - 8388608.0) * (s * (1.0 / (1 << (4 * k)))) - zs
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -173,46 +281,68 @@ def _int4_gemm_kernel(
     stride_qn,
     stride_sn,
     stride_om,
+    magic,
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
 ):
+    BLOCK_W: tl.constexpr = BLOCK_K // 8
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < M
     col_ok = cols < N
-    kk = tl.arange(0, BLOCK_K)
-    shifts = (kk % 8)[:, None]
-    x_tile = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + kk[None, :]
-    q_tile = q_ptr + cols.to(tl.int64)[None, :] * stride_qn + (kk // 8)[:, None]
+    x_tile = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + tl.arange(0, BLOCK_K)[None, :]
+    q_tile = q_ptr + cols.to(tl.int64)[:, None] * stride_qn + tl.arange(0, BLOCK_W)[None, :]  # [BLOCK_N, BLOCK_W]
     s_cols = s_ptr + cols.to(tl.int64) * stride_sn
     z_cols = z_ptr + cols.to(tl.int64) * stride_sn
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):  # K is a multiple of GROUP, GROUP of BLOCK_K: no K mask
         x = tl.load(x_tile + k0, mask=row_ok[:, None], other=0.0)
-        words = tl.load(q_tile + k0 // 8, mask=col_ok[None, :], other=0)
+        words = tl.load(q_tile + k0 // 8, mask=col_ok[:, None], other=0)
         g = k0 // GROUP
-        s = tl.load(s_cols + g, mask=col_ok, other=0.0).to(tl.float32)
-        z = tl.load(z_cols + g, mask=col_ok, other=0.0).to(tl.float32)
-        w = ((_nibble_to_float(words, shifts) - z[None, :]) * s[None, :]).to(x.dtype)
-        acc = tl.dot(x, w, acc)
+        s = tl.load(s_cols + g, mask=col_ok, other=0.0).to(tl.float32)[:, None]
+        zs = tl.load(z_cols + g, mask=col_ok, other=0.0).to(tl.float32)[:, None] * s
+        high = words >> 16
+        w0 = _dequantize_nibbles(words, 0, s, zs, magic).to(x.dtype)
+        w1 = _dequantize_nibbles(words, 1, s, zs, magic).to(x.dtype)
+        w2 = _dequantize_nibbles(words, 2, s, zs, magic).to(x.dtype)
+        w3 = _dequantize_nibbles(words, 3, s, zs, magic).to(x.dtype)
+        w4 = _dequantize_nibbles(high, 0, s, zs, magic).to(x.dtype)
+        w5 = _dequantize_nibbles(high, 1, s, zs, magic).to(x.dtype)
+        w6 = _dequantize_nibbles(high, 2, s, zs, magic).to(x.dtype)
+        w7 = _dequantize_nibbles(high, 3, s, zs, magic).to(x.dtype)
+        # join stacks on a new last axis: this tree puts nibble i at position i of [.., word, 8],
+        # so the reshape gives input 8j + i at column 8j + i.
+        w = tl.join(tl.join(tl.join(w0, w4), tl.join(w2, w6)), tl.join(tl.join(w1, w5), tl.join(w3, w7)))
+        w = tl.reshape(w, (BLOCK_N, BLOCK_K))
+        acc = tl.dot(x, tl.trans(w), acc)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     out = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
+# Rows at which each GEMM tile class starts (gemm_tiles); one input of each compiles them all.
+GEMM_TILE_ROWS = (1, 17, 257)
+
+
 def gemm_tiles(m: int, group_size: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for M rows: two variants only, so the
-    decode graphs' many batch sizes compile no kernel inside a capture."""
-    block_k = next((b for b in (64, 32, 16) if group_size % b == 0), 0)
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for M rows. Three classes, compiled
+    together before the decode graphs are captured (``GEMM_TILE_ROWS``):
+    - up to 16 rows (decode batches): a weight read, so narrow column tiles give many programs;
+    - up to 256 (a short prefill, larger decode batches): 64 × 64, still two programs an SM on
+      the Qwen3-8B shapes at 128 rows;
+    - more (long prefills): 128 × 128, bound by the tensor cores."""
+    block_k = next((b for b in (128, 64, 32, 16) if group_size % b == 0), 0)
     if not block_k:
         raise ValueError(f"the INT4 GEMM needs a group size that is a multiple of 16, not {group_size}")
     if m <= 16:
-        return 16, 64, block_k, 4, 4
-    return 64, 128, block_k, 4, 3
+        return 16, 32, block_k, 4, 4
+    if m <= 256:
+        return 64, 64, block_k, 4, 3
+    return 128, 128, min(block_k, 64), 8, 3
 
 
 def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
@@ -227,15 +357,15 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     if m == 0:
         return out
     block_m, block_n, block_k, warps, stages = tiles or gemm_tiles(m, group_size)
-    if group_size % block_k:
-        raise ValueError(f"BLOCK_K {block_k} must divide the group size {group_size}")
+    if group_size % block_k or block_k % 16:
+        raise ValueError(f"BLOCK_K {block_k} must be a multiple of 16 that divides the group size {group_size}")
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _int4_gemm_kernel[grid](
         x, qweight, scales, zeros, bias if bias is not None else scales, out, m, n, words * PACK, x.stride(0),
-        qweight.stride(0), scales.stride(0), out.stride(0), GROUP=group_size, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, HAS_BIAS=bias is not None, num_warps=warps, num_stages=stages,
+        qweight.stride(0), scales.stride(0), out.stride(0), FLOAT_2_23_BITS, GROUP=group_size, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None, num_warps=warps, num_stages=stages,
     )
     return out
 
 
-__all__ = ["INT4_GEMV_CONFIGS", "gemm_tiles", "int4_gemm", "int4_gemv"]
+__all__ = ["GEMM_TILE_ROWS", "INT4_GEMV_CONFIGS", "GroupGemvConfig", "gemm_tiles", "int4_gemm", "int4_gemv"]

@@ -1,0 +1,111 @@
+"""INT4 (g128, asymmetric) linears of the Qwen3-8B decode step on the GPU, one kernel at a time.
+
+For each weight shape: bf16 cuBLAS (``F.linear`` on the dequantized weights) at 1, 4, 16 and
+128 rows; the INT4 GEMM at those rows (its default tiles, and a few alternatives at 16 and 128
+rows); every INT4 GEMV candidate (kernels/triton/quant_int4.py) at 1 and 4 rows. Each time is
+32 calls captured in one CUDA graph, the weights rotated through enough copies to exceed the
+L2 cache (kernels/gemv_choice.py's ``time_in_graph``, as the start-up choice times them).
+Bandwidth counts the INT4 words plus the scales and zeros (bf16: the 16-bit weights).
+
+    PYTHONPATH=engine TRITON_INTERPRET=0 python benchmarks/int4_micro.py --out FILE
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+from typing import Any
+
+import torch
+
+from tidal_engine.kernels.gemv_choice import rotation_copies, rotation_sets, time_in_graph
+from tidal_engine.kernels.triton.quant_int4 import INT4_GEMV_CONFIGS, gemm_tiles, int4_gemm, int4_gemv
+from tidal_engine.quantization.int4 import dequantize, pack_rows
+from tidal_engine.quantization.quantizer import quantize_int4
+
+SHAPES = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)]
+GROUP = 128
+ROWS = (1, 4, 16, 128)
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) tried besides gemm_tiles' own.
+GEMM_ALTERNATIVES = {16: [(16, 16, 128, 4, 4), (16, 64, 128, 4, 4)],
+                     128: [(64, 128, 128, 4, 3), (128, 64, 128, 8, 3)]}
+
+
+def _safe_time(fn: Any, copies: list[Any]) -> float:
+    try:
+        return 1e6 * time_in_graph(fn, copies)
+    except Exception as exc:  # a tile this GPU cannot build: record it, keep going
+        if "CUDA error" in str(exc):
+            raise
+        print(f"  failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+        return float("nan")
+
+
+def bench_shape(n: int, k: int) -> dict[str, Any]:
+    w = torch.randn(n, k, device="cuda") * 0.02
+    q, scale, zero = quantize_int4(w, GROUP, symmetric=False)  # q [N, K] 0..15, scale/zero [N, K/g]
+    weights = (pack_rows(q.contiguous()), scale.to(torch.bfloat16).contiguous(), zero.to(torch.bfloat16).contiguous())
+    int4_bytes = sum(t.numel() * t.element_size() for t in weights)
+    deq = dequantize(*weights, GROUP, torch.bfloat16)
+    del w, q
+    row: dict[str, Any] = {"int4_bytes": int4_bytes, "bf16_bytes": deq.numel() * 2}
+    int4_copies = rotation_sets(weights)
+    bf16_copies = rotation_copies(deq)
+    for rows in ROWS:
+        x = torch.randn(rows, k, device="cuda").to(torch.bfloat16)
+        expected = torch.nn.functional.linear(x.float(), deq.float())
+        tol = {"rtol": 2e-2, "atol": 2e-2 * expected.abs().max().item()}
+        row[f"cublas_bf16_r{rows}_us"] = _safe_time(lambda wt: torch.nn.functional.linear(x, wt), bf16_copies)
+        torch.testing.assert_close(int4_gemm(x, *weights, GROUP, None).float(), expected, **tol)
+        row[f"int4_gemm_r{rows}_us"] = _safe_time(lambda ws: int4_gemm(x, *ws, GROUP, None), int4_copies)
+        row[f"int4_gemm_r{rows}_tiles"] = list(gemm_tiles(rows, GROUP))
+        for tiles in GEMM_ALTERNATIVES.get(rows, []):
+            name = "x".join(str(t) for t in tiles)
+            row[f"int4_gemm_r{rows}_{name}_us"] = _safe_time(
+                lambda ws, t=tiles: int4_gemm(x, *ws, GROUP, None, tiles=t), int4_copies)
+        if rows <= 4:
+            for config in INT4_GEMV_CONFIGS:
+                name = f"{type(config).__name__}({config.block_n},{config.block_k},{config.num_warps})"
+                try:
+                    torch.testing.assert_close(int4_gemv(x, *weights, GROUP, None, config).float(), expected, **tol)
+                except ValueError:
+                    continue
+                row[f"gemv_r{rows}_{name}_us"] = _safe_time(
+                    lambda ws, c=config: int4_gemv(x, *ws, GROUP, None, c), int4_copies)
+        gemvs = {key: v for key, v in row.items() if key.startswith(f"gemv_r{rows}_") and v == v}
+        if gemvs:
+            best = min(gemvs, key=gemvs.__getitem__)
+            row[f"best_gemv_r{rows}"] = best
+            row[f"best_gemv_r{rows}_TB_s"] = int4_bytes / gemvs[best] / 1e6
+        row[f"int4_gemm_r{rows}_TB_s"] = int4_bytes / row[f"int4_gemm_r{rows}_us"] / 1e6
+        row[f"cublas_bf16_r{rows}_TB_s"] = row["bf16_bytes"] / row[f"cublas_bf16_r{rows}_us"] / 1e6
+        print(f"{n}x{k} rows {rows}: bf16 {row[f'cublas_bf16_r{rows}_us']:.1f} us, int4 GEMM "
+              f"{row[f'int4_gemm_r{rows}_us']:.1f} us" + (f", best GEMV {best} {gemvs[best]:.1f} us" if gemvs else ""),
+              flush=True)
+    del int4_copies, bf16_copies
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    results: dict[str, Any] = {}
+    for n, k in SHAPES:
+        results[f"{n}x{k}"] = bench_shape(n, k)
+        text = json.dumps({"commit": os.environ.get("TIDAL_COMMIT", "unknown"),
+                           "date": os.environ.get("TIDAL_BENCH_DATE") or datetime.date.today().isoformat(),
+                           "device": torch.cuda.get_device_name(), "torch": torch.__version__, "group_size": GROUP,
+                           "results": results}, indent=1)
+        if args.out:  # after every shape, so a run cut short keeps what it measured
+            with open(args.out, "w") as f:
+                f.write(text)
+    if not args.out:
+        print(text)
+
+
+if __name__ == "__main__":
+    with torch.inference_mode():
+        main()

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# INT4 kernels on the H200 (issue 15), one device call: the gpu-marked kernel tests, the per-shape
+# micro-timing (benchmarks/int4_micro.py), then gpu_bench's quant suite for gptq and awq, one
+# process each, every step bounded by `timeout`. Results land in $OUT (default ./out).
+set -u
+OUT=${OUT:-out}; mkdir -p "$OUT"
+export PYTHONPATH=engine:operator${PYTHONPATH:+:$PYTHONPATH} TRITON_INTERPRET=0 PYTHONUNBUFFERED=1 TIDAL_BENCH_LOG=INFO
+export TIDAL_BENCH_DATE=${TIDAL_BENCH_DATE:-2026-12-01}
+PY=${PY:-python3}
+echo "=== tests $(date +%T)"
+timeout ${T_TESTS:-90} $PY -m pytest -q -p no:cacheprovider -o addopts= -m gpu tests/engine/test_quantization_kernels.py \
+  > "$OUT/gpu-tests.txt" 2>&1; echo "rc $?" >> "$OUT/gpu-tests.txt"; tail -4 "$OUT/gpu-tests.txt"
+echo "=== micro $(date +%T)"
+timeout ${T_MICRO:-45} $PY benchmarks/int4_micro.py --out "$OUT/int4-micro.json" 2>&1 | tail -20
+for quant in gptq awq; do
+  echo "=== $quant $(date +%T)"
+  timeout ${T_BENCH:-85} $PY benchmarks/gpu_bench.py --shape qwen3-8b --suite quant --quantization $quant \
+    --out "$OUT/quant-qwen3-8b-$quant.json" > "$OUT/bench-log-$quant.txt" 2>&1; echo "rc $?"
+  grep -E "single_stream|output_tok_s_median|Traceback|Error" "$OUT/bench-log-$quant.txt" | cut -c1-300 | tail -5
+done
+echo "=== end $(date +%T)"
