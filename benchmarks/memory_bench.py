@@ -20,7 +20,10 @@ Further stages: ``basics`` (seconds for the CUDA context, importing Triton and t
 tokenizer, locking 1 GiB of host memory), ``profile`` (a warm construction under cProfile: the
 functions that took the time), ``nowarm`` (the CUDA graphs' single warm-up run checked with an
 empty cache dir: replays against eager runs), ``switch`` (``gpu_share_switch_bench.py``: two engines of a GPU-share group taking turns through the
-router). ``--dummy`` runs on a config-only folder with ``load_format="dummy"`` (nothing read from
+router), ``construct_tokfirst`` (``construct`` with the tokenizer loaded before the workers, as
+before), ``cold_plain`` (a cold construction in a fresh cache dir the way start-up ran before:
+tokenizer first, no compile-ahead). The stages that generate record the greedy tokens of the
+same prompts; ``greedy_equal_across_stages`` compares them. ``--dummy`` runs on a config-only folder with ``load_format="dummy"`` (nothing read from
 disk; a quick look, not the figures).
 
 ``all`` runs the four (``--stages`` picks others) and writes ``memory-<shape>.json`` with the command, commit and date
@@ -193,11 +196,14 @@ def stage_engine(args: argparse.Namespace) -> dict[str, Any]:
         "engine_core_seconds": getattr(engine.core, "startup_seconds", None),
         "graph_capture_s": runner.graphs.capture_seconds if runner.graphs else None,
         "mixed_graph_capture_s": runner.mixed_graphs.capture_seconds if runner.mixed_graphs else None,
+        "compile_ahead": getattr(runner, "compile_ahead_report", None),
+        "gemv_choices": _gemv_choices(runner),
     }
     if not args.dummy:
         res["weights_equal_checkpoint"] = _weights_match_checkpoint(runner.model, folder)
     prompts = _prompts(4, 64, 1)
     reference = _greedy(llm, prompts, 32)
+    res["greedy"] = reference
     graphs = runner.graphs
     checks: dict[str, bool] = {}
     # The level-1 host buffer is locked on a thread after start-up (runner/host_buffer.py): how
@@ -282,6 +288,12 @@ def stage_nowarm(args: argparse.Namespace) -> dict[str, Any]:
             "replay_vs_eager_max_abs_diff": diffs, "greedy": _greedy(llm, _prompts(4, 64, 1, llm.engine.core.vocab_size), 16)}
 
 
+def _gemv_choices(runner: Any) -> dict[str, str]:
+    """The one-row-linear choice per weight shape (they set which kernel, so which sums, a
+    one-row step runs: greedy outputs compare only between engines that chose alike)."""
+    return {f"{k[0]}x{k[1]}": str(v) for k, v in sorted(getattr(runner, "_gemv_choices", {}).items(), key=str)}
+
+
 def stage_construct(args: argparse.Namespace) -> dict[str, Any]:
     folder = _folder(args)
     llm, construct_s = _llm(folder, gpu_memory_utilization=0.9, enable_sleep_mode=True, cache_dir=args.cache_dir)
@@ -290,7 +302,32 @@ def stage_construct(args: argparse.Namespace) -> dict[str, Any]:
             "startup_seconds": getattr(runner, "startup_seconds", None),
             "engine_core_seconds": getattr(llm.engine.core, "startup_seconds", None),
             "graph_capture_s": runner.graphs.capture_seconds if runner.graphs else None,
-            "mixed_graph_capture_s": runner.mixed_graphs.capture_seconds if runner.mixed_graphs else None}
+            "mixed_graph_capture_s": runner.mixed_graphs.capture_seconds if runner.mixed_graphs else None,
+            "compile_ahead": getattr(runner, "compile_ahead_report", None), "gemv_choices": _gemv_choices(runner),
+            "greedy": _greedy(llm, _prompts(4, 64, 1), 32)}
+
+
+def stage_construct_tokfirst(args: argparse.Namespace) -> dict[str, Any]:
+    """``construct`` with the tokenizer loaded before the workers start, as before 2026-12-01c."""
+    from tidal_engine.engine.tokenizer_load import TokenizerLoad
+
+    TokenizerLoad.alongside = False
+    return stage_construct(args)
+
+
+def stage_cold_plain(args: argparse.Namespace) -> dict[str, Any]:
+    """A cold construction (a fresh, empty cache dir) the way start-up ran before 2026-12-01c:
+    the tokenizer before the workers, each phase compiling its own kernels (no compile-ahead)."""
+    import tempfile
+
+    from tidal_engine.engine.tokenizer_load import TokenizerLoad
+    from tidal_engine.kernels.compile_ahead import CompileAhead
+
+    TokenizerLoad.alongside = False
+    CompileAhead.enabled = False
+    os.environ.pop("TRITON_CACHE_DIR", None)  # the fresh dir's own triton/ folder, not the shared one
+    args.cache_dir = tempfile.mkdtemp(prefix="tidal-cold-plain-")
+    return stage_construct(args)
 
 
 def stage_load(args: argparse.Namespace) -> dict[str, Any]:
@@ -376,6 +413,7 @@ def stage_switch(args: argparse.Namespace) -> dict[str, Any]:
 
 
 STAGES = {"write": stage_write, "basics": stage_basics, "engine": stage_engine, "construct": stage_construct,
+          "construct_tokfirst": stage_construct_tokfirst, "cold_plain": stage_cold_plain,
           "profile": stage_profile, "nowarm": stage_nowarm, "load": stage_load, "pair": stage_pair, "switch": stage_switch}
 
 
@@ -411,6 +449,11 @@ def run_all(args: argparse.Namespace) -> None:
         result[key]["stage_wall_s"] = time.perf_counter() - t
         path.write_text(json.dumps(result, indent=1, default=str))
         print(json.dumps({key: result[key]}, default=str)[:3000], flush=True)
+    greedy = {k: v["greedy"] for k, v in result.items() if isinstance(v, dict) and "greedy" in v}
+    if len(greedy) > 1:  # the same prompts and weights: equal unless the kernels chose differently
+        first = next(iter(greedy.values()))
+        result["greedy_equal_across_stages"] = {k: v == first for k, v in greedy.items()}
+        path.write_text(json.dumps(result, indent=1, default=str))
     print(f"wrote {path}")
 
 

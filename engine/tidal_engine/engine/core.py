@@ -47,6 +47,7 @@ from tidal_engine.core.scheduler import (
     default_max_num_batched_tokens,
 )
 from tidal_engine.engine.messages import CoreStats, SampleDelta, sample_request_id
+from tidal_engine.engine.tokenizer_load import TokenizerLoad
 from tidal_engine.executor.base import Executor, PendingStep
 from tidal_engine.executor.plan import NewRequest, SampledLogprobs, SamplingOptions, ScheduledRequest, StepPlan
 from tidal_engine.kv_transfer.factory import create_scheduler_connector
@@ -154,12 +155,13 @@ class EngineCore:
         self.vocab_size = arch.vocab_size
         self.dtype = resolve_dtype(arch.torch_dtype, config.dtype, self.device)
         self.startup_seconds = {"device_and_config": time.perf_counter() - started}
-        # Grammars need the tokenizer; text is the caller's. Loaded before the model, not beside
-        # it: on a thread, its imports (Python, holding the GIL) slowed the runner's kernel
-        # launches so much that start-up took longer (H200, 8B shape: warm-up 1.0 → 10.7 s).
+        # Grammars need the tokenizer; text is the caller's. It loads on a thread while the
+        # workers start (engine/tokenizer_load.py) and is taken once they are up.
         started = time.perf_counter()
-        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.model, config.tokenizer, config.cache_dir)
-        self.startup_seconds["tokenizer"] = time.perf_counter() - started
+        tokenizer_load = None if config.skip_tokenizer_init else TokenizerLoad(
+            lambda: load_tokenizer(config.model, config.tokenizer, config.cache_dir))
+        self.tokenizer: Any = None
+        self.startup_seconds["tokenizer_start"] = time.perf_counter() - started
         self.model_name = config.served_model_name or config.model
         self.max_model_len = config.max_model_len or arch.max_position_embeddings
         if self.max_model_len > arch.max_position_embeddings:
@@ -179,6 +181,7 @@ class EngineCore:
             raise ValueError("speculative decoding does not run with pipeline parallelism")
         self.proposer: Proposer | None = None
         if self.speculative is not None:
+            self.tokenizer = self._take_tokenizer(tokenizer_load)  # the draft's vocabulary is checked against it
             self.proposer = build_proposer(
                 self.speculative, target_vocab_size=self.vocab_size, target_tokenizer=self.tokenizer,
                 dtype=self.dtype, device=self.device, block_size=config.block_size,
@@ -186,6 +189,12 @@ class EngineCore:
         started = time.perf_counter()
         self.executor = executor or build_executor(config, self.source, self.device, self.dtype)
         self.startup_seconds["executor"] = time.perf_counter() - started  # the workers' start-up
+        try:
+            if self.speculative is None:  # else taken before the workers
+                self.tokenizer = self._take_tokenizer(tokenizer_load)
+        except BaseException:
+            self.executor.shutdown()
+            raise
         started = time.perf_counter()
         self.eos_token_ids = eos_ids(arch.eos_token_id, self.tokenizer)
         self.kv_cache_manager = KVCacheManager(
@@ -243,6 +252,17 @@ class EngineCore:
             self.model_name, self.device, self.dtype, self.executor.num_kv_blocks, config.block_size, config.kv_cache_dtype,
             self.max_model_len, self.async_scheduling,
         )
+
+    def _take_tokenizer(self, load: TokenizerLoad | None) -> Any:
+        """The tokenizer once loaded; ``tokenizer`` in ``startup_seconds`` is the wait for it
+        (what it added to the start-up), ``tokenizer_load`` the load itself."""
+        if load is None:
+            return None
+        started = time.perf_counter()
+        tokenizer = load.result()
+        self.startup_seconds["tokenizer"] = time.perf_counter() - started
+        self.startup_seconds["tokenizer_load"] = load.seconds
+        return tokenizer
 
     # ---- requests --------------------------------------------------------------------
     def add_request(

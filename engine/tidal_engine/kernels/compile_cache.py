@@ -47,6 +47,17 @@ def use_cache_dir(cache_dir: str | Path | None) -> Path:
     return root
 
 
+def triton_cache_filled() -> bool:
+    """Whether Triton's cache folder (``TRITON_CACHE_DIR``, else its default) holds anything:
+    an engine started on this node before, so its kernels load instead of compiling."""
+    folder = os.environ.get("TRITON_CACHE_DIR") or str(Path.home() / ".triton" / "cache")
+    try:
+        with os.scandir(folder) as entries:
+            return any(True for _ in entries)
+    except OSError:
+        return False
+
+
 def gemv_cache_key(gpu_name: str, versions: dict[str, str]) -> str:
     """A file name for one GPU model and the versions its timings depend on."""
     text = json.dumps({"gpu": gpu_name, **versions}, sort_keys=True)

@@ -235,6 +235,34 @@ def choose_gemv(model: nn.Module, cache: dict[tuple[int, int, torch.dtype, bool]
     return chosen
 
 
+def launch_candidates(model: nn.Module, cache: dict[Any, Candidate]) -> int:
+    """Launch every GEMV tile once on each 16-bit weight shape ``choose_gemv`` has yet to time,
+    with made-up inputs: under a compile-ahead dry run (kernels/compile_ahead.py) this hands
+    the tiles' compiles to its pool. Returns the launches made."""
+    from tidal_engine.kernels.triton.gemv import GEMV_CONFIGS, gemv
+    from tidal_engine.layers.linear import LinearBase, UnquantizedLinearMethod
+
+    launched, shapes = 0, set()
+    with torch.inference_mode():
+        for module in model.modules():
+            if not isinstance(module, LinearBase) or not isinstance(module.method, UnquantizedLinearMethod) \
+                    or module.weight.numel() == 0 or module.weight.dtype not in (torch.bfloat16, torch.float16):
+                continue
+            weight, bias = module.weight, module.bias
+            key = (weight.shape[0], weight.shape[1], weight.dtype, bias is not None)
+            if key in cache or key in shapes:
+                continue
+            shapes.add(key)
+            x = torch.empty(1, weight.shape[1], dtype=weight.dtype, device=weight.device)
+            for config in GEMV_CONFIGS:
+                try:
+                    gemv(x, weight, bias, config)
+                except ValueError:
+                    continue
+                launched += 1
+    return launched
+
+
 ChoiceKey = tuple[int, int, Any, bool]  # (N, K, torch dtype or a quantized kind such as "fp8r1", bias)
 
 
@@ -300,5 +328,5 @@ def choices_file(cache_dir: Path) -> Path:
     return cache_dir / "gemv" / f"{gemv_cache_key(torch.cuda.get_device_name(), versions)}.json"
 
 
-__all__ = ["choices_file", "choose_gemv", "gemv_wanted", "is_device_fault", "load_choices", "pick_fastest", "rotation_copies",
-           "save_choices", "time_in_graph"]
+__all__ = ["choices_file", "choose_gemv", "gemv_wanted", "is_device_fault", "launch_candidates", "load_choices", "pick_fastest",
+           "rotation_copies", "save_choices", "time_in_graph"]

@@ -117,6 +117,12 @@ class DecodeGraphs:
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
+    def run_eager(self, b: int) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The forward a capture of bucket ``b`` records, run eagerly on the dummy inputs."""
+        self._dummy_inputs(b)
+        return self._forward(b)
+
+    @torch.inference_mode()
     def capture(self) -> None:
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()

@@ -21,7 +21,8 @@ import torch
 
 from tidal_engine.config import EngineConfig
 from tidal_engine.distributed.parallel_state import get_parallel
-from tidal_engine.kernels.compile_cache import use_cache_dir
+from tidal_engine.kernels.compile_ahead import CompileAhead, device_thread_setup, prepare_triton
+from tidal_engine.kernels.compile_cache import triton_cache_filled, use_cache_dir
 from tidal_engine.layers.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend, set_attention_backend
 from tidal_engine.layers.kv_cache_dtype import kv_cache_torch_dtype
 from tidal_engine.lora.manager import create_lora_manager
@@ -148,6 +149,9 @@ class ModelRunner:
         self.verify_graphs: VerifyGraphs | None = None  # speculative decoding's verify steps
         self._gemv_choices: dict = {}  # (N, K, dtype, bias) → GEMV config or None (cuBLAS)
         clock.mark("sampler_and_buffers")
+        self.compile_ahead_report: dict[str, Any] = {}
+        self._compile_ahead()
+        clock.mark("compile_ahead")
         self._choose_one_row_linears()
         clock.mark("one_row_linear_choice")
         self._warm_up_kernels()
@@ -324,31 +328,98 @@ class ModelRunner:
             for rid in ids:
                 sampler.remove_request(rid)
 
+    def _uses_triton(self) -> bool:
+        return self.device.type == "cuda" and getattr(self.backend, "name", "") == "triton"
+
+    def _warm_up_token_counts(self) -> list[int]:
+        """The attention kernel's tile variants (16, 32, 64 rows) and a larger prefill."""
+        group = max(1, self.kv_spec.query_group)
+        return sorted({1, max(1, 32 // group), max(1, 64 // group), 256})
+
     def _warm_up_kernels(self) -> None:
         """Compile the attention kernel's tile variants (16, 32, 64 rows) now, not mid-run:
         a first prefix-cache hit or a short chunk would otherwise wait for Triton's JIT."""
-        if self.device.type != "cuda" or getattr(self.backend, "name", "") != "triton":
+        if not self._uses_triton():
             return
-        group = max(1, self.kv_spec.query_group)
-        for num_tokens in sorted({1, max(1, 32 // group), max(1, 64 // group), 256}):
+        for num_tokens in self._warm_up_token_counts():
             self._dummy_forward(num_tokens)
         torch.cuda.synchronize(self.device)
+
+    def _compile_ahead(self) -> None:
+        """On a cold start (nothing in Triton's cache yet), compile the kernels the next phases
+        meet (the GEMV tiles to time, the warm-up and profiling forwards, decode steps of a few
+        batch sizes) in parallel, from dry runs of those phases (kernels/compile_ahead.py); they
+        then find every kernel compiled. The kernels are the same, only compiled sooner. A warm
+        cache skips this: loading a kernel costs milliseconds."""
+        if not self._uses_triton() or not CompileAhead.enabled or triton_cache_filled():
+            return
+        from tidal_engine.kernels.gemv_choice import is_device_fault
+
+        prepare_triton()
+        ahead = CompileAhead(thread_setup=device_thread_setup(self.device))
+        try:
+            with ahead.dry_run():
+                if self._gemv_choice_applies():
+                    from tidal_engine.kernels.gemv_choice import launch_candidates
+
+                    self._load_gemv_choices()
+                    launch_candidates(self.model, self._gemv_choices)
+                for num_tokens in [*self._warm_up_token_counts(), self.config.max_num_batched_tokens or 2048]:
+                    self._dummy_forward(num_tokens)
+                self._dry_decode_steps()
+        except Exception as exc:  # the phases themselves then compile as before
+            if is_device_fault(exc):
+                raise
+            logger.warning("compiling ahead stopped: %s", exc)
+        finally:
+            ahead.close()
+        self.compile_ahead_report = {"kernels": ahead.submitted, "failed": ahead.failed, "threads": ahead.workers,
+                                     "wait_s": ahead.wait_seconds}
+        logger.info("compiled %d kernel specializations ahead on %d threads (%d failed)",
+                    ahead.submitted, ahead.workers, ahead.failed)
+
+    def _dry_decode_steps(self) -> None:
+        """Decode forwards as the CUDA graphs capture them, for batch sizes of each kind Triton
+        specializes on (1, a multiple of 16, neither) and the largest, over throwaway one-block
+        caches (a dry run launches no kernel, so nothing reads them)."""
+        if not self._graphs_wanted():
+            return
+        sizes = self.cuda_graph_sizes
+        of_16 = next((b for b in sizes if b % 16 == 0), None)
+        other = next((b for b in sizes if b > 1 and b % 16), None)
+        wanted = sorted({sizes[0], sizes[-1]} | {b for b in (of_16, other) if b is not None})
+        shape = (2, 1, self.config.block_size, self.kv_spec.num_kv_heads, self.kv_spec.head_dim)
+        caches = [torch.empty(shape, dtype=self.kv_dtype, device=self.device) for _ in range(self.kv_spec.num_layers)]
+        max_blocks = -(-self.max_model_len // self.config.block_size)
+        graphs = DecodeGraphs(self.model, caches, wanted, max_blocks, self.device)
+        for b in wanted:
+            graphs.run_eager(b)
+
+    def _gemv_choice_applies(self) -> bool:
+        if not self._uses_triton() or self.lora_manager is not None:
+            return False
+        from tidal_engine.kernels.fused import fused_kernels_enabled
+        from tidal_engine.kernels.gemv_choice import gemv_wanted
+
+        return fused_kernels_enabled() and gemv_wanted(self.dtype)
+
+    def _load_gemv_choices(self) -> None:
+        """The choices stored on this node, once (a second engine on the node times nothing)."""
+        if self._gemv_choices:
+            return
+        from tidal_engine.kernels.gemv_choice import choices_file, load_choices
+        from tidal_engine.kernels.triton.gemv import GEMV_CONFIGS
+
+        self._gemv_choices.update(load_choices(choices_file(self.cache_dir), GEMV_CONFIGS))
 
     def _choose_one_row_linears(self) -> None:
         """Time cuBLAS against the Triton GEMV for each weight shape at one input row (the
         single-stream decode step) and route each Linear to the faster (kernels/gemv_choice.py)."""
-        if self.device.type != "cuda" or getattr(self.backend, "name", "") != "triton" or self.lora_manager is not None:
-            return
-        from tidal_engine.kernels.fused import fused_kernels_enabled
-        from tidal_engine.kernels.gemv_choice import choose_gemv, gemv_wanted
-
-        if fused_kernels_enabled() and gemv_wanted(self.dtype):
-            from tidal_engine.kernels.gemv_choice import choices_file, load_choices, save_choices
-            from tidal_engine.kernels.triton.gemv import GEMV_CONFIGS
+        if self._gemv_choice_applies():
+            from tidal_engine.kernels.gemv_choice import choices_file, choose_gemv, save_choices
 
             disk = choices_file(self.cache_dir)
-            if not self._gemv_choices:  # a second engine on this node: no timing
-                self._gemv_choices.update(load_choices(disk, GEMV_CONFIGS))
+            self._load_gemv_choices()
             known = len(self._gemv_choices)
             counts = choose_gemv(self.model, self._gemv_choices)
             if len(self._gemv_choices) > known:
