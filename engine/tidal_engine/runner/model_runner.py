@@ -745,6 +745,25 @@ class ModelRunner:
         self.weights.onload()
         self._maybe_recapture()
 
+    def wake_from_level1(self) -> None:
+        """Weights and KV cache back from level 1 at once: the KV range is mapped and zeroed on
+        a side stream first, so the zeroing runs on the device while the weights are mapped and
+        copied in (the copy's synchronisation waits for both)."""
+        if self._kv_resident or self._kv_range is None or self.device.type != "cuda":
+            self.onload_weights()
+            self.restore_kv_cache()
+            return
+        self._kv_range.map()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for cache in self.kv_caches:
+                cache.zero_()
+        self._kv_resident = True
+        self.weights.onload()  # ends with a device-wide synchronize: the zeroing is done too
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        self._maybe_recapture()
+
     def discard_weights(self) -> None:
         """Level 2: drop the weights entirely; wake reloads them from the model source."""
         if not self.weights.stable_addresses:

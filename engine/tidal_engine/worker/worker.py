@@ -466,13 +466,16 @@ class Worker:
             raise ValueError(f"unknown wake_up tags {sorted(unknown)}; use 'weights' and/or 'kv_cache'")
         if not self._sleep_level:
             return False
-        if "weights" in tags and self._weights_asleep():
+        both = "weights" in tags and "kv_cache" in tags
+        if both and self._sleep_level == 1 and self._weights_asleep():
+            self.runner.wake_from_level1()  # the KV cache's zeroing overlaps the weights' copy
+        elif "weights" in tags and self._weights_asleep():
             if self._sleep_level == 1:
                 self.runner.onload_weights()
             else:
                 self.runner.reload_weights()
         if "kv_cache" in tags:
-            self.runner.restore_kv_cache()
+            self.runner.restore_kv_cache()  # a no-op when wake_from_level1 restored it
             if self.kv_connector is not None:
                 self.kv_connector.register_kv_caches(self.runner.kv_caches)
         if not self._weights_asleep() and self.runner.kv_cache_resident():
