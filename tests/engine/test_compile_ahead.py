@@ -120,3 +120,15 @@ def test_constexprs_and_launch_options_are_keyed_by_value() -> None:
     assert launch_key(fn, (x, 32), {"BLOCK": 64}) != launch_key(fn, (x, 32), {"BLOCK": 128})
     assert launch_key(fn, (x, 32), {"BLOCK": 64, "num_warps": 4}) != launch_key(fn, (x, 32), {"BLOCK": 64, "num_warps": 8})
     assert launch_key(fn, (x, 32), {"BLOCK": 64}) != launch_key(JITFunction(_kernel_source), (x, 32), {"BLOCK": 64})
+
+
+def test_triton_is_prepared_on_a_thread() -> None:
+    from tidal_engine.kernels.compile_ahead import prepare_triton_in_background
+
+    from triton.runtime.cache import triton_key
+
+    triton_key.cache_clear()
+    thread = prepare_triton_in_background()
+    thread.join()
+    assert thread.name == "tidal-triton-key"
+    assert triton_key.cache_info().currsize == 1  # computed there, so the first compile finds it

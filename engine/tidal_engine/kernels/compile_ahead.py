@@ -203,6 +203,27 @@ def prepare_triton() -> None:
             return
 
 
+def prepare_triton_in_background() -> threading.Thread:
+    """``prepare_triton`` on a thread, started now: most of it is hashing Triton's 400+ MB
+    library, file reads and hashing that run without the GIL, so it overlaps the weights'
+    loading instead of delaying the first kernel. Join it before the first Triton use.
+    Triton is imported here, in the caller's thread (it is needed next anyway)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        pass
+    thread = threading.Thread(target=_prepare_quietly, name="tidal-triton-key", daemon=True)
+    thread.start()
+    return thread
+
+
+def _prepare_quietly() -> None:
+    try:
+        prepare_triton()
+    except Exception as exc:  # the first compile computes it again and reports any error
+        logger.debug("preparing Triton failed: %s", exc)
+
+
 def device_thread_setup(device: Any) -> Callable[[], None] | None:
     """Pool threads compile for ``device``, or for this thread's current CUDA device when it
     names none: Triton reads the calling thread's current device. Call from the dry run's thread."""
@@ -219,4 +240,4 @@ def device_thread_setup(device: Any) -> Callable[[], None] | None:
 
 
 __all__ = ["CompileAhead", "arg_signature", "default_workers", "device_thread_setup", "exact_value", "launch_key",
-           "prepare_triton", "triton_warmup"]
+           "prepare_triton", "prepare_triton_in_background", "triton_warmup"]

@@ -21,7 +21,12 @@ import torch
 
 from tidal_engine.config import EngineConfig
 from tidal_engine.distributed.parallel_state import get_parallel
-from tidal_engine.kernels.compile_ahead import CompileAhead, device_thread_setup, prepare_triton
+from tidal_engine.kernels.compile_ahead import (
+    CompileAhead,
+    device_thread_setup,
+    prepare_triton,
+    prepare_triton_in_background,
+)
 from tidal_engine.kernels.compile_cache import triton_cache_filled, use_cache_dir
 from tidal_engine.layers.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend, set_attention_backend
 from tidal_engine.layers.kv_cache_dtype import kv_cache_torch_dtype
@@ -123,9 +128,14 @@ class ModelRunner:
         clock = StartupClock(device)
         self._free_before_load = self._check_device_memory()
         clock.mark("device_init")  # the CUDA context, when this is the process's first use of the device
+        # Triton's one-off cache key, computed while the weights load (kernels/compile_ahead.py).
+        triton_setup = prepare_triton_in_background() if device.type == "cuda" else None
         self.model = load_model(source, dtype, device, getattr(config, "load_format", "auto"),
                                 getattr(config, "quantization", None))
         clock.mark("load_weights")
+        if triton_setup is not None:
+            triton_setup.join()
+            clock.mark("triton_setup")
         self.backend = choose_attention_backend(device)
         set_attention_backend(self.model, self.backend)
         # Multi-LoRA: adapter slots and hooks on the linears; None unless enable_lora.
