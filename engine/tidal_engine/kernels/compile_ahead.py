@@ -104,6 +104,7 @@ class CompileAhead:
         self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="tidal-compile",
                                         initializer=thread_setup)
         self._seen: set[Hashable] = set()
+        self._kernels: set[int] = set()
         self._futures: list[Future[Any]] = []
         self._owner: int | None = None
         self.submitted = 0
@@ -117,6 +118,9 @@ class CompileAhead:
             self.skipped += 1
             return
         self._seen.add(key)
+        if id(fn) not in self._kernels:
+            self._kernels.add(id(fn))
+            _create_device_cache(fn)
         self.submitted += 1
         self._futures.append(self._pool.submit(self._compile, fn, args, kwargs))
 
@@ -158,6 +162,21 @@ class CompileAhead:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _create_device_cache(fn: Any) -> None:
+    """Create a Triton kernel's per-device cache here, before the workers use it: two workers
+    creating it at once would each get a dict, and one dict's kernels would be lost (only to
+    be loaded again from the disk cache at their first launch)."""
+    caches = getattr(fn, "device_caches", None)
+    if caches is None:
+        return
+    try:
+        from triton.runtime.driver import driver
+
+        caches[driver.active.get_current_device()]
+    except Exception as exc:  # a kernel of another kind, or no driver: the workers create it
+        logger.debug("no device cache created for %s: %s", fn, exc)
 
 
 def _install_patch() -> None:
