@@ -132,3 +132,13 @@ def test_triton_is_prepared_on_a_thread() -> None:
     thread.join()
     assert thread.name == "tidal-triton-key"
     assert triton_key.cache_info().currsize == 1  # computed there, so the first compile finds it
+
+
+def test_decode_sizes_of_each_specialization_kind() -> None:
+    from tidal_engine.runner.cuda_graphs import specialization_sizes
+    from tidal_engine.runner.input_buffers import normalize_capture_sizes
+
+    assert specialization_sizes(normalize_capture_sizes(None, 256)) == [1, 2, 16, 256]
+    assert specialization_sizes([1]) == [1]
+    assert specialization_sizes([8, 4, 24]) == [4, 24]  # no multiple of 16: the smallest (also "any other") and the largest
+    assert specialization_sizes([]) == []

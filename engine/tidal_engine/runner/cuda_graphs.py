@@ -35,6 +35,17 @@ from tidal_engine.runner.input_buffers import packed_offsets
 logger = logging.getLogger(__name__)
 
 
+def specialization_sizes(sizes: list[int]) -> list[int]:
+    """One batch size of each kind Triton specializes a launch's integers on (1, a multiple of
+    16, any other), and the largest: the decode steps a compile-ahead dry run goes through."""
+    ordered = sorted(sizes)
+    if not ordered:
+        return []
+    of_16 = next((b for b in ordered if b % 16 == 0), None)
+    other = next((b for b in ordered if b > 1 and b % 16), None)
+    return sorted({ordered[0], ordered[-1]} | {b for b in (of_16, other) if b is not None})
+
+
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph

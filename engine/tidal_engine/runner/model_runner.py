@@ -32,7 +32,7 @@ from tidal_engine.layers.attention import AttentionBackend, AttentionMetadata, T
 from tidal_engine.layers.kv_cache_dtype import kv_cache_torch_dtype
 from tidal_engine.lora.manager import create_lora_manager
 from tidal_engine.models.loader import ModelSource, fill_weights, load_model
-from tidal_engine.runner.cuda_graphs import DecodeGraphs
+from tidal_engine.runner.cuda_graphs import DecodeGraphs, specialization_sizes
 from tidal_engine.runner.cuda_vmm import VmmRange
 from tidal_engine.runner.input_buffers import (
     PinnedStaging,
@@ -394,10 +394,7 @@ class ModelRunner:
         caches (a dry run launches no kernel, so nothing reads them)."""
         if not self._graphs_wanted():
             return
-        sizes = self.cuda_graph_sizes
-        of_16 = next((b for b in sizes if b % 16 == 0), None)
-        other = next((b for b in sizes if b > 1 and b % 16), None)
-        wanted = sorted({sizes[0], sizes[-1]} | {b for b in (of_16, other) if b is not None})
+        wanted = specialization_sizes(self.cuda_graph_sizes)
         shape = (2, 1, self.config.block_size, self.kv_spec.num_kv_heads, self.kv_spec.head_dim)
         caches = [torch.empty(shape, dtype=self.kv_dtype, device=self.device) for _ in range(self.kv_spec.num_layers)]
         max_blocks = -(-self.max_model_len // self.config.block_size)
