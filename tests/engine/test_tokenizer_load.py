@@ -122,3 +122,18 @@ def test_skip_tokenizer_init_loads_nothing(model_dir: Path, monkeypatch: pytest.
                       executor=ScriptedExecutor(num_blocks=64))
     assert core.tokenizer is None
     assert core.eos_token_ids == {EOS_ID}
+
+
+def test_the_core_is_built_with_the_collector_paused(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import gc
+
+    states: list[bool] = []
+
+    def build_executor(*args: Any) -> ScriptedExecutor:
+        states.append(gc.isenabled())
+        return ScriptedExecutor(num_blocks=64)
+
+    monkeypatch.setattr(core_module, "build_executor", build_executor)
+    monkeypatch.setattr(core_module, "load_tokenizer", lambda model, tokenizer: _Tokenizer())
+    EngineCore(_config(model_dir))
+    assert states == [False] and gc.isenabled()

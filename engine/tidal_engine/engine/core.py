@@ -46,6 +46,7 @@ from tidal_engine.core.scheduler import (
     SchedulerOutput,
     default_max_num_batched_tokens,
 )
+from tidal_engine.engine.collector import collector_paused
 from tidal_engine.engine.messages import CoreStats, SampleDelta, sample_request_id
 from tidal_engine.engine.tokenizer_load import TokenizerLoad
 from tidal_engine.executor.base import Executor, PendingStep
@@ -148,6 +149,10 @@ def has_token_rules(params: SamplingParams) -> bool:
 
 class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
+        with collector_paused():  # nothing built here is garbage (engine/collector.py)
+            self._build(config, executor)
+
+    def _build(self, config: EngineConfig, executor: Executor | None) -> None:
         started = time.perf_counter()
         self.device = resolve_device(config.device)
         self.source = resolve_model(config.model)
