@@ -134,6 +134,6 @@ def test_the_core_is_built_with_the_collector_paused(model_dir: Path, monkeypatc
         return ScriptedExecutor(num_blocks=64)
 
     monkeypatch.setattr(core_module, "build_executor", build_executor)
-    monkeypatch.setattr(core_module, "load_tokenizer", lambda model, tokenizer: _Tokenizer())
+    monkeypatch.setattr(core_module, "load_tokenizer", lambda *args: _Tokenizer())
     EngineCore(_config(model_dir))
     assert states == [False] and gc.isenabled()
