@@ -142,3 +142,34 @@ def test_decode_sizes_of_each_specialization_kind() -> None:
     assert specialization_sizes([1]) == [1]
     assert specialization_sizes([8, 4, 24]) == [4, 24]  # no multiple of 16: the smallest (also "any other") and the largest
     assert specialization_sizes([]) == []
+
+
+def test_the_gemv_tiles_of_each_untimed_shape_are_launched_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch import nn
+
+    from tidal_engine.kernels import gemv_choice
+    from tidal_engine.kernels.triton import gemv as gemv_module
+    from tidal_engine.layers.linear import Linear
+
+    launched: list[tuple[str, int, tuple[int, int], Any]] = []
+
+    def recorder(name: str) -> Any:
+        def launch(x: torch.Tensor, weight: torch.Tensor, bias: Any, config: Any) -> None:
+            launched.append((name, x.shape[0], tuple(weight.shape), config))
+        return launch
+
+    monkeypatch.setattr(gemv_module, "gemv", recorder("gemv"))
+    monkeypatch.setattr(gemv_module, "gemv_rows", recorder("gemv_rows"))
+    model = nn.Module()
+    model.a = Linear(64, 32)
+    model.b = Linear(64, 32)  # the same shape: launched once
+    model.c = Linear(32, 48)
+    model.d = Linear(16, 16)
+    model.to(torch.bfloat16)
+    timed = {(48, 32, torch.bfloat16, False): None, (48, 32, "bfloat16r2", False): None}  # c, partly timed
+    count = gemv_choice.launch_candidates(model, timed)
+    per_shape = len(gemv_module.GEMV_CONFIGS) + len(gemv_module.GEMV_ROW_BUCKETS) * len(gemv_module.GEMV_ROWS_CONFIGS)
+    untimed_c = (len(gemv_module.GEMV_ROW_BUCKETS) - 1) * len(gemv_module.GEMV_ROWS_CONFIGS)
+    assert count == len(launched) == 2 * per_shape + untimed_c
+    assert {(name, rows) for name, rows, shape, _ in launched if shape == (48, 32)} == {("gemv_rows", 4), ("gemv_rows", 8)}
+    assert sorted({rows for _, rows, _, _ in launched}) == [1, *gemv_module.GEMV_ROW_BUCKETS]

@@ -236,10 +236,11 @@ def choose_gemv(model: nn.Module, cache: dict[tuple[int, int, torch.dtype, bool]
 
 
 def launch_candidates(model: nn.Module, cache: dict[Any, Candidate]) -> int:
-    """Launch every GEMV tile once on each 16-bit weight shape ``choose_gemv`` has yet to time,
-    with made-up inputs: under a compile-ahead dry run (kernels/compile_ahead.py) this hands
-    the tiles' compiles to its pool. Returns the launches made."""
-    from tidal_engine.kernels.triton.gemv import GEMV_CONFIGS, gemv
+    """Launch every GEMV tile (one-row, and few-row at each row bucket) once on each 16-bit
+    weight shape ``choose_gemv`` has yet to time, with made-up inputs: under a compile-ahead dry
+    run (kernels/compile_ahead.py) this hands the tiles' compiles to its pool. Returns the
+    launches made."""
+    from tidal_engine.kernels.triton.gemv import GEMV_CONFIGS, GEMV_ROW_BUCKETS, GEMV_ROWS_CONFIGS, gemv, gemv_rows
     from tidal_engine.layers.linear import LinearBase, UnquantizedLinearMethod
 
     launched, shapes = 0, set()
@@ -249,17 +250,21 @@ def launch_candidates(model: nn.Module, cache: dict[Any, Candidate]) -> int:
                     or module.weight.numel() == 0 or module.weight.dtype not in (torch.bfloat16, torch.float16):
                 continue
             weight, bias = module.weight, module.bias
-            key = (weight.shape[0], weight.shape[1], weight.dtype, bias is not None)
-            if key in cache or key in shapes:
-                continue
-            shapes.add(key)
-            x = torch.empty(1, weight.shape[1], dtype=weight.dtype, device=weight.device)
-            for config in GEMV_CONFIGS:
-                try:
-                    gemv(x, weight, bias, config)
-                except ValueError:
+            dtype_name = str(weight.dtype).removeprefix("torch.")
+            for rows, kernel, configs in [(1, gemv, GEMV_CONFIGS)] + [(r, gemv_rows, GEMV_ROWS_CONFIGS)
+                                                                     for r in GEMV_ROW_BUCKETS]:
+                kind = weight.dtype if rows == 1 else f"{dtype_name}r{rows}"
+                key = (weight.shape[0], weight.shape[1], kind, bias is not None)
+                if key in cache or key in shapes:
                     continue
-                launched += 1
+                shapes.add(key)
+                x = torch.empty(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
+                for config in configs:
+                    try:
+                        kernel(x, weight, bias, config)
+                    except ValueError:
+                        continue
+                    launched += 1
     return launched
 
 
