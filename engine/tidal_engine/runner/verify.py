@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from tidal_engine.runner.sampler import GREEDY_EPS, filtered_probs
-from tidal_engine.spec_decode.rejection_sampler import greedy_verify_ids, rejection_sample
+from tidal_engine.spec_decode.rejection_sampler import accept_greedy, rejection_sample
 
 if TYPE_CHECKING:
     from tidal_engine.runner.input_buffers import StepInput, StepLayout
@@ -28,12 +28,18 @@ if TYPE_CHECKING:
 
 
 class VerifiedTokens:
-    """A verify step's tokens: ``result()`` gives one list of 1..k+1 ids per sampling row."""
+    """A verify step's tokens: ``result()`` gives one list of 1..k+1 ids per sampling row.
+
+    ``spec``: the rejection sampler's ``(tokens, num_emitted)`` on the device, or ``greedy``:
+    the argmax of every logit row on the device plus, per drafting row, its first logit row
+    and its drafts; those rows are verified on the host (``accept_greedy``) after one copy."""
 
     def __init__(self, plain: Any, plain_pos: list[int], spec: tuple[torch.Tensor, torch.Tensor] | None,
-                 spec_pos: list[int], num_rows: int) -> None:
+                 spec_pos: list[int], num_rows: int,
+                 greedy: tuple[torch.Tensor, list[int], list[list[int]]] | None = None) -> None:
         self._plain, self._plain_pos = plain, plain_pos
         self._spec, self._spec_pos = spec, spec_pos
+        self._greedy = greedy
         self._num_rows = num_rows
         self.done = False
 
@@ -43,7 +49,12 @@ class VerifiedTokens:
             ids, _ = self._plain.result()
             for pos, t in zip(self._plain_pos, ids):
                 out[pos] = [int(t)]
-        if self._spec is not None:
+        if self._greedy is not None:
+            argmax, firsts, drafts = self._greedy
+            flat = argmax.tolist()  # one device → host copy
+            for pos, first, d in zip(self._spec_pos, firsts, drafts):
+                out[pos] = accept_greedy(flat[first : first + len(d) + 1], d)
+        elif self._spec is not None:
             tokens, emitted = self._spec
             packed = torch.cat([emitted[:, None], tokens], dim=1).cpu().tolist()  # one device → host copy
             for pos, row in zip(self._spec_pos, packed):
@@ -127,24 +138,35 @@ def execute_verify(
     if not layout.num_samples:
         return None
     index = _VerifyIndex(layout.sample_rows, drafts)
-    rows_t, plain_index, spec_index_t, draft_ids_t, nd_t = index.upload(runner.device)
-    logits = runner.model.compute_logits(hidden.index_select(0, rows_t))
     sampler = runner.sampler
     plain_pos, spec_pos = index.plain_pos.tolist(), index.spec_pos.tolist()
+    options = [sampler.options_of(sample_req_ids[i]) for i in spec_pos]
+    greedy = [o.temperature < GREEDY_EPS for o in options]
+    all_greedy = all(greedy)
+    # Only plain rows and sampled drafting rows read index tensors on the device; greedy
+    # drafting rows are verified on the host from their argmaxes. Contiguous logit rows (every
+    # row drafted as many tokens as it computes, e.g. a decode batch with k drafts each) are a
+    # slice of the hidden states: then such a step uploads nothing.
+    rows = index.logit_rows
+    n = len(rows)
+    if plain_pos or not all_greedy or not (np.diff(rows) == 1).all():
+        rows_t, plain_index, spec_index_t, draft_ids_t, nd_t = index.upload(runner.device)
+        logits = runner.model.compute_logits(hidden.index_select(0, rows_t))
+    else:
+        logits = runner.model.compute_logits(hidden[int(rows[0]) : int(rows[0]) + n])
     plain = None
     if plain_pos:
         plain_ids = [sample_req_ids[i] for i in plain_pos]
         masks = {rid: m for rid, m in (grammar_bitmasks or {}).items() if rid in plain_ids} or None
         plain = sampler.sample(logits.index_select(0, plain_index), plain_ids, masks)
     spec = None
+    greedy_host = None
     if spec_pos:
         k, r = index.k, len(spec_pos)
         vocab = logits.shape[1]
-        options = [sampler.options_of(sample_req_ids[i]) for i in spec_pos]
-        greedy = [o.temperature < GREEDY_EPS for o in options]
-        if all(greedy):  # argmaxes only: one per logit row, then gathered (not the [r, k + 1, V] logits)
-            argmax = logits.argmax(dim=1).index_select(0, spec_index_t).view(r, k + 1)
-            spec = greedy_verify_ids(argmax, draft_ids_t, nd_t)
+        if all_greedy:  # one argmax per logit row, read on the host with the drafts there
+            firsts = (index.spec_index[:: k + 1]).tolist()
+            greedy_host = (logits.argmax(dim=1), firsts, [drafts[i] for i in spec_pos])
         else:
             probs = logits.index_select(0, spec_index_t).view(r, k + 1, vocab)
             sampled_rows = [j for j, g in enumerate(greedy) if not g]
@@ -161,4 +183,4 @@ def execute_verify(
             spec = rejection_sample(probs, draft_ids_t, nd_t, greedy_t, generator=sampler.generator)
         for i in spec_pos:  # the worker adds the rest once it knows how many were emitted
             sampler.count_extra(sample_req_ids[i], 1)
-    return VerifiedTokens(plain, plain_pos, spec, spec_pos, len(drafts))
+    return VerifiedTokens(plain, plain_pos, spec, spec_pos, len(drafts), greedy_host)

@@ -103,6 +103,17 @@ def greedy_verify_ids(argmax: torch.Tensor, draft_token_ids: torch.Tensor,
     return _accept_argmax(argmax, draft_token_ids, is_draft)
 
 
+def accept_greedy(targets: list[int], drafts: list[int]) -> list[int]:
+    """One greedy row on the host: ``targets`` are the target's argmaxes at the row's
+    ``len(drafts) + 1`` verified positions. Accept the leading drafts equal to the argmax, then
+    emit the argmax at the first mismatch (or the bonus): the tokens ``greedy_verify_ids`` gives,
+    without its ~15 small kernels (a step's drafts are on the host already)."""
+    accepted = 0
+    while accepted < len(drafts) and drafts[accepted] == targets[accepted]:
+        accepted += 1
+    return drafts[:accepted] + [targets[accepted]]
+
+
 def _accept_argmax(argmax: torch.Tensor, drafts: torch.Tensor, is_draft: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rows, positions = argmax.shape
     k = positions - 1
