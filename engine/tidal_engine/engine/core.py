@@ -155,7 +155,7 @@ class EngineCore:
     def _build(self, config: EngineConfig, executor: Executor | None) -> None:
         started = time.perf_counter()
         self.device = resolve_device(config.device)
-        self.source = resolve_model(config.model)
+        self.source = resolve_model(config.model, config.cache_dir)
         arch = self.source.arch_config
         self.vocab_size = arch.vocab_size
         self.dtype = resolve_dtype(arch.torch_dtype, config.dtype, self.device)

@@ -458,7 +458,7 @@ def _worker_main(
         if source is None:
             from tidal_engine.models.loader import resolve_model
 
-            source = resolve_model(config.model)
+            source = resolve_model(config.model, getattr(config, "cache_dir", None))
         dev = torch.device(device)
         if dev.type == "cuda":
             dev = torch.device("cuda", rank if world_size > 1 else (dev.index or 0))

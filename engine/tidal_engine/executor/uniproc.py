@@ -21,7 +21,7 @@ def resolve_worker_args(config: Any, source: Any, device: Any, dtype: Any) -> tu
     from tidal_engine.models.loader import resolve_dtype, resolve_model
 
     if source is None:
-        source = resolve_model(config.model)
+        source = resolve_model(config.model, getattr(config, "cache_dir", None))
     if device is None:
         from tidal_engine.engine.core import resolve_device
 

@@ -7,7 +7,9 @@ default ``$TIDAL_CACHE_DIR`` or ``~/.cache/tidal``):
 - ``triton/``: Triton's own cache (``TRITON_CACHE_DIR``, unless the environment sets it);
 - ``gemv/<key>.json``: the one-row-linear choices, one file per GPU model and software
   versions (``gemv_cache_key``), keyed inside by weight shape, dtype and bias.
-- ``tokenizers/<key>/``: GGUF files' converted tokenizers (models/tokenizer_cache.py).
+- ``tokenizers/<key>/``: GGUF files' converted tokenizers (models/tokenizer_cache.py);
+- ``gguf/<key>.json``: GGUF files' indexes, their metadata and tensor offsets without a parse
+  (models/gguf_index.py).
 
 Writes are atomic (a temporary file renamed into place), so Pods sharing a volume never
 read a half-written file; an unreadable file is ignored and rewritten.

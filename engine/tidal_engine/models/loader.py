@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from tidal_engine.models.config import ArchConfig, parse_dtype
+from tidal_engine.models.gguf_index import GGUFIndex, GGUFTensorInfo, read_gguf_index, tensor_arrays, write_gguf_index
 from tidal_engine.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -323,10 +324,29 @@ def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 class GGUFSource(ModelSource):
-    def __init__(self, path: Path) -> None:
+    """A GGUF file. gguf's GGUFReader parses its header once per node: what the engine needs of
+    it is then kept in the start-up cache (``cache_dir``; models/gguf_index.py), and a source
+    built from that index constructs no reader and maps the tensors' data itself."""
+
+    def __init__(self, path: Path, cache_dir: str | Path | None = None) -> None:
+        self.path = path
+        self.reader: Any = None  # a GGUFReader when this process parsed the file
+        self.index: GGUFIndex
+        index = read_gguf_index(path, cache_dir)
+        if index is not None:
+            self.index = index
+            try:
+                self.arch_config = self._arch_config()
+                return
+            except Exception as exc:  # only a damaged index fails here (a parse wrote it): parse again
+                logger.warning("ignoring the GGUF index of %s (%s: %s)", path, type(exc).__name__, exc)
+        self._parse()
+        write_gguf_index(self.index, path, cache_dir)
+
+    def _parse(self) -> None:
         from gguf import GGUFReader
 
-        self.path = path
+        path = self.path
         try:
             self.reader = GGUFReader(str(path))
         except Exception as exc:  # the reader raises assorted errors on bad input
@@ -335,14 +355,14 @@ class GGUFSource(ModelSource):
         for tensor in self.reader.tensors:
             if tensor.data_offset + tensor.n_bytes > size:
                 raise ValueError(f"truncated GGUF file {path}: tensor {tensor.name} runs past the end of the file")
+        self.index = GGUFIndex.from_reader(self.reader)
         try:
             self.arch_config = self._arch_config()
         except KeyError as exc:
             raise ValueError(f"GGUF file {path} lacks metadata {exc}") from None
 
     def _field(self, key: str, default: Any = None) -> Any:
-        field = self.reader.fields.get(key)
-        return default if field is None else field.contents()
+        return self.index.fields.get(key, default)
 
     def _arch_config(self) -> ArchConfig:
         from gguf import LlamaFileType
@@ -350,7 +370,7 @@ class GGUFSource(ModelSource):
         arch = self._field("general.architecture")
         if arch not in ("llama", "qwen2", "qwen3"):
             raise ValueError(f"GGUF file {self.path}: unsupported architecture {arch!r} (supported: llama, qwen2, qwen3)")
-        tensor_names = {t.name for t in self.reader.tensors}
+        tensor_names = {t.name for t in self.index.tensors}
         if "rope_freqs.weight" in tensor_names:
             raise ValueError(f"GGUF file {self.path}: rope_freqs (llama3 rope scaling) is not supported yet")
 
@@ -367,8 +387,7 @@ class GGUFSource(ModelSource):
         if scaling_type not in (None, "none"):
             # Only linear carries all its parameters in GGUF metadata; others fail in ArchConfig.
             rope_scaling = {"rope_type": scaling_type, "factor": float(self._field(f"{arch}.rope.scaling.factor", 1.0))}
-        tokens = self.reader.fields.get("tokenizer.ggml.tokens")
-        vocab_size = self._field(f"{arch}.vocab_size") or (len(tokens.data) if tokens is not None else None)
+        vocab_size = self._field(f"{arch}.vocab_size") or self.index.array_lengths.get("tokenizer.ggml.tokens")
         if vocab_size is None:
             raise KeyError(f"{arch}.vocab_size")
         file_type = self._field("general.file_type")
@@ -417,18 +436,18 @@ class GGUFSource(ModelSource):
         return AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name)
 
     def load_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
         cfg = self.arch_config
-        for tensor in self.reader.tensors:
-            hf_name = gguf_to_hf_name(tensor.name)
+        for info, data in self._tensor_data():
+            hf_name = gguf_to_hf_name(info.name)
             try:
-                array = dequantize(tensor.data, tensor.tensor_type)
+                array = dequantize(data, GGMLQuantizationType(info.ggml_type))
             except Exception as exc:
-                raise ValueError(f"cannot dequantize {tensor.name} of {self.path}: {exc}") from None
+                raise ValueError(f"cannot dequantize {info.name} of {self.path}: {exc}") from None
             # GGUF lists dimensions fastest-first; torch wants them slowest-first.
-            shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-            weight = torch.tensor(array).reshape(shape)
+            weight = torch.tensor(array).reshape(tuple(reversed(info.shape)))
             if cfg.architecture == "llama" and hf_name.startswith("model.layers."):
                 if ".self_attn.q_proj." in hf_name:
                     weight = unpermute_rotary_rows(weight, cfg.num_attention_heads)
@@ -436,30 +455,38 @@ class GGUFSource(ModelSource):
                     weight = unpermute_rotary_rows(weight, cfg.num_key_value_heads)
             yield hf_name, weight
 
+    def _tensor_data(self) -> Iterator[tuple[GGUFTensorInfo, Any]]:
+        """(GGUFTensorInfo, numpy view of its data) per tensor: the parse's own views, or, from
+        an index, views of one memory map of the file made the way GGUFReader makes them."""
+        if self.reader is None:
+            return tensor_arrays(self.path, self.index)
+        return zip(self.index.tensors, (tensor.data for tensor in self.reader.tensors), strict=True)
+
 
 # ---------------------------------------------------------------- entry points
 
 
-def resolve_model(model: str) -> ModelSource:
-    """An HF folder, a ``.gguf`` file, or an alias from MODEL_ALIASES → ModelSource."""
+def resolve_model(model: str, cache_dir: str | Path | None = None) -> ModelSource:
+    """An HF folder, a ``.gguf`` file, or an alias from MODEL_ALIASES → ModelSource. A GGUF
+    file's index is kept in the start-up cache ``cache_dir`` (models/gguf_index.py)."""
     path = resolve_model_path(model)
     if path.is_dir():
         return HFFolderSource(path)
     if path.suffix == ".gguf":
-        return gguf_source(path)
+        return gguf_source(path, cache_dir)
     raise ValueError(f"unrecognised model file {path}: expected an HF model folder or a .gguf file")
 
 
 _GGUF_SOURCES: dict[tuple[str, int, int], GGUFSource] = {}
 
 
-def gguf_source(path: Path) -> GGUFSource:
-    """One parse per file and process: reading a GGUF file's metadata is seconds of pure Python,
-    and the engine core resolves its model more than once (config, tokenizer, executor)."""
+def gguf_source(path: Path, cache_dir: str | Path | None = None) -> GGUFSource:
+    """One source per file and process: the engine core resolves its model more than once
+    (config, tokenizer, executor), and only the first time may need a parse."""
     stat = path.stat()
     key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
     if key not in _GGUF_SOURCES:
-        _GGUF_SOURCES[key] = GGUFSource(path)
+        _GGUF_SOURCES[key] = GGUFSource(path, cache_dir)
     return _GGUF_SOURCES[key]
 
 
@@ -511,8 +538,8 @@ def _model_tokenizer(model: str, cache_dir: str | Path | None) -> Any:
     if path.suffix == ".gguf":  # a cached tokenizer needs no parse of the file (the API server's case)
         from tidal_engine.models.tokenizer_cache import cached_gguf_tokenizer
 
-        return cached_gguf_tokenizer(path, lambda: gguf_source(path).convert_tokenizer(), cache_dir)
-    return resolve_model(model).load_tokenizer(cache_dir)
+        return cached_gguf_tokenizer(path, lambda: gguf_source(path, cache_dir).convert_tokenizer(), cache_dir)
+    return resolve_model(model, cache_dir).load_tokenizer(cache_dir)
 
 
 def resolve_dtype(config_dtype: torch.dtype | str | None, requested: str, device: torch.device) -> torch.dtype:
