@@ -173,3 +173,21 @@ def test_the_gemv_tiles_of_each_untimed_shape_are_launched_once(monkeypatch: pyt
     assert count == len(launched) == 2 * per_shape + untimed_c
     assert {(name, rows) for name, rows, shape, _ in launched if shape == (48, 32)} == {("gemv_rows", 4), ("gemv_rows", 8)}
     assert sorted({rows for _, rows, _, _ in launched}) == [1, *gemv_module.GEMV_ROW_BUCKETS]
+
+
+def test_without_few_row_linears_only_the_one_row_tiles_are_launched(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch import nn
+
+    from tidal_engine.kernels import gemv_choice
+    from tidal_engine.kernels.triton import gemv as gemv_module
+    from tidal_engine.layers.linear import Linear
+
+    launched: list[tuple[str, int]] = []
+    monkeypatch.setattr(gemv_module, "gemv", lambda x, w, b, c: launched.append(("gemv", x.shape[0])))
+    monkeypatch.setattr(gemv_module, "gemv_rows", lambda x, w, b, c: launched.append(("gemv_rows", x.shape[0])))
+    model = nn.Module()
+    model.a = Linear(64, 32)
+    model.to(torch.bfloat16)
+    count = gemv_choice.launch_candidates(model, {}, few_rows=False)
+    assert count == len(launched) == len(gemv_module.GEMV_CONFIGS)
+    assert set(launched) == {("gemv", 1)}

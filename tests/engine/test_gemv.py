@@ -240,3 +240,40 @@ def test_gemv_rows_matches_linear_gpu(shape: tuple[int, int]) -> None:
             ran += 1
             torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
     assert ran >= 3 * (len(GEMV_ROWS_CONFIGS) - 2)
+
+
+@pytest.mark.parametrize("few_rows", [True, False])
+def test_few_row_tiles_are_timed_and_set_only_when_asked(monkeypatch: pytest.MonkeyPatch, few_rows: bool) -> None:
+    """The runner asks for them only with speculative decoding (model_runner._few_row_linears_wanted).
+    Fixed timings: each candidate 'runs' twice as fast as the one timed before it, and cuBLAS is
+    timed first, so every choice is a tile."""
+    from torch import nn
+
+    from tidal_engine.kernels import gemv_choice
+    from tidal_engine.kernels.triton import gemv as gemv_module
+
+    def linear_of(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, config: object) -> torch.Tensor:
+        return torch.nn.functional.linear(x, w, b)
+
+    monkeypatch.setattr(gemv_module, "gemv", linear_of)
+    monkeypatch.setattr(gemv_module, "gemv_rows", linear_of)
+    monkeypatch.setattr(gemv_choice, "rotation_copies", lambda weight: [weight])
+    timed: list[object] = []
+
+    def fake_time(fn: object, copies: object) -> float:
+        timed.append(fn)
+        return 0.5 ** len(timed)
+
+    monkeypatch.setattr(gemv_choice, "time_in_graph", fake_time)
+    model = nn.Module()
+    model.a = Linear(64, 32)
+    model.to(torch.bfloat16)
+    cache: dict = {}
+    gemv_choice.choose_gemv(model, cache, few_rows=few_rows)
+    few_keys = {k for k in cache if isinstance(k[2], str)}
+    assert model.a.gemv_config is not None
+    if few_rows:
+        assert {k[2] for k in few_keys} == {f"bfloat16r{r}" for r in gemv_module.GEMV_ROW_BUCKETS}
+        assert model.a.gemv_rows_configs is not None
+    else:
+        assert few_keys == set() and model.a.gemv_rows_configs is None

@@ -189,10 +189,11 @@ def _run_dtype(module: nn.Module, fallback: torch.dtype) -> torch.dtype:
 
 
 def choose_gemv(model: nn.Module, cache: dict[tuple[int, int, torch.dtype, bool], Candidate],
-                dtype: torch.dtype | None = None) -> dict[str, int]:
+                dtype: torch.dtype | None = None, few_rows: bool = True) -> dict[str, int]:
     """Set ``gemv_config`` on every Linear of ``model`` (CUDA, 16-bit); ``cache`` keeps the
     choice per (N, K, dtype, bias) across model reloads (sleep level 2). ``dtype`` is the run
     dtype (the activations of quantized linears; default: the model's first 16-bit parameter).
+    ``few_rows``: also time and set the few-row tiles (``gemv_rows_configs``).
     Returns counts (quantized linears count as "gemv" when their one-row input uses the kernel)."""
     from tidal_engine.kernels.triton.gemv import GEMV_CONFIGS, gemv
     from tidal_engine.layers.linear import LinearBase, UnquantizedLinearMethod
@@ -229,13 +230,14 @@ def choose_gemv(model: nn.Module, cache: dict[tuple[int, int, torch.dtype, bool]
                 logger.info("one-row linear %dx%d: %s (%s)", key[0], key[1], cache[key] or "cuBLAS",
                             ", ".join(f"{c or 'cuBLAS'}={t * 1e6:.1f}us" for c, t in timings.items()))
             module.gemv_config = cache[key]
-            module.gemv_rows_configs = _choose_few_rows(weight, bias, cache, copies)
+            if few_rows:
+                module.gemv_rows_configs = _choose_few_rows(weight, bias, cache, copies)
             del copies
             chosen["gemv" if cache[key] is not None else "cublas"] += 1
     return chosen
 
 
-def launch_candidates(model: nn.Module, cache: dict[Any, Candidate]) -> int:
+def launch_candidates(model: nn.Module, cache: dict[Any, Candidate], few_rows: bool = True) -> int:
     """Launch every GEMV tile (one-row, and few-row at each row bucket) once on each 16-bit
     weight shape ``choose_gemv`` has yet to time, with made-up inputs: under a compile-ahead dry
     run (kernels/compile_ahead.py) this hands the tiles' compiles to its pool. Returns the
@@ -251,8 +253,9 @@ def launch_candidates(model: nn.Module, cache: dict[Any, Candidate]) -> int:
                 continue
             weight, bias = module.weight, module.bias
             dtype_name = str(weight.dtype).removeprefix("torch.")
+            buckets = GEMV_ROW_BUCKETS if few_rows else ()
             for rows, kernel, configs in [(1, gemv, GEMV_CONFIGS)] + [(r, gemv_rows, GEMV_ROWS_CONFIGS)
-                                                                     for r in GEMV_ROW_BUCKETS]:
+                                                                     for r in buckets]:
                 kind = weight.dtype if rows == 1 else f"{dtype_name}r{rows}"
                 key = (weight.shape[0], weight.shape[1], kind, bias is not None)
                 if key in cache or key in shapes:

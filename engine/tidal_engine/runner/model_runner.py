@@ -373,7 +373,7 @@ class ModelRunner:
                     from tidal_engine.kernels.gemv_choice import launch_candidates
 
                     self._load_gemv_choices()
-                    launch_candidates(self.model, self._gemv_choices)
+                    launch_candidates(self.model, self._gemv_choices, few_rows=self._few_row_linears_wanted())
                 for num_tokens in [*self._warm_up_token_counts(), self.config.max_num_batched_tokens or 2048]:
                     self._dummy_forward(num_tokens)
                 self._dry_decode_steps()
@@ -410,6 +410,14 @@ class ModelRunner:
 
         return fused_kernels_enabled() and gemv_wanted(self.dtype)
 
+    def _few_row_linears_wanted(self) -> bool:
+        """The few-row GEMV tiles are timed (three more row buckets per shape, ~2 s of an 8B cold
+        start on the H200) only where steps of a few rows are the rule: speculative decoding's
+        verify steps, k + 1 rows per request. Plain 2–8-row decode batches keep cuBLAS, 0–9% slower
+        per linear there (8B shapes, benchmarks/results/h200-2026-12-01c-spec), a trade for the
+        cold start (h200-2026-12-01d-lead)."""
+        return self._num_speculative_tokens() > 0
+
     def _load_gemv_choices(self) -> None:
         """The choices stored on this node, once (a second engine on the node times nothing)."""
         if self._gemv_choices:
@@ -428,7 +436,7 @@ class ModelRunner:
             disk = choices_file(self.cache_dir)
             self._load_gemv_choices()
             known = len(self._gemv_choices)
-            counts = choose_gemv(self.model, self._gemv_choices)
+            counts = choose_gemv(self.model, self._gemv_choices, few_rows=self._few_row_linears_wanted())
             if len(self._gemv_choices) > known:
                 save_choices(disk, self._gemv_choices)
             logger.info("one-row linears: %d on the Triton GEMV, %d on cuBLAS", counts["gemv"], counts["cublas"])
