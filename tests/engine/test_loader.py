@@ -22,6 +22,7 @@ from tidal_engine.models.loader import (
     resolve_model,
     unpermute_rotary_rows,
 )
+from smollm2_reference import GGUF_NAME, hf_reference, smollm2_dir
 from tiny_models import hf_logits, make_tiny_model, run_chunks
 
 CPU = torch.device("cpu")
@@ -286,11 +287,8 @@ def test_smollm2_tokenizer_has_chat_template(smollm2: GGUFSource) -> None:
 @pytest.mark.slow
 def test_smollm2_matches_transformers(smollm2: GGUFSource) -> None:
     """Weights bit-identical to transformers' own GGUF load; logits within 1e-4."""
-    from transformers import AutoModelForCausalLM
-
-    hf_model = AutoModelForCausalLM.from_pretrained(
-        str(smollm2.path.parent), gguf_file=smollm2.path.name, dtype=torch.float32
-    ).eval()
+    hf_model, _ = hf_reference()  # transformers' own load of the same file
+    assert smollm2.path.samefile(Path(smollm2_dir()) / GGUF_NAME)
     reference = hf_model.state_dict()
     ours = dict(smollm2.load_weights())
     assert set(ours) == set(reference) - {"lm_head.weight"}  # tied
