@@ -32,10 +32,24 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("TIDAL_CACHE_DIR") or Path.home() / ".cache" / "tidal").expanduser()
 
 
+def cache_root(cache_dir: str | Path | None) -> Path:
+    """The start-up cache folder: ``cache_dir`` (--cache-dir) or the default."""
+    return Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+
+
+def file_cache_key(path: Path, versions: dict[str, Any]) -> str:
+    """An entry name for what is derived from the file ``path``: its stem and a hash of its
+    resolved path, size, modification time and the ``versions`` the derivation depends on, so a
+    changed file or library gets a new entry."""
+    stat = path.stat()
+    identity = {"path": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns, **versions}
+    return f"{path.stem}-{hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]}"
+
+
 def use_cache_dir(cache_dir: str | Path | None) -> Path:
     """Point Triton's compile cache into ``cache_dir`` (the environment's own setting wins)
     before anything compiles; returns the folder."""
-    root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+    root = cache_root(cache_dir)
     triton_dir = root / "triton"
     try:  # Triton fails its compiles on a folder it cannot write (a root-owned hostPath)
         triton_dir.mkdir(parents=True, exist_ok=True)

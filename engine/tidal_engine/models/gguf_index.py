@@ -15,8 +15,6 @@ unwritable cache only costs time.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from tidal_engine.kernels.compile_cache import default_cache_dir, read_json, write_json_atomic
+from tidal_engine.kernels.compile_cache import cache_root, file_cache_key, read_json, write_json_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -112,16 +110,11 @@ class GGUFIndex:
 
 
 def gguf_index_key(gguf_path: Path) -> str:
-    stat = gguf_path.stat()
-    identity = {"path": str(gguf_path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
-                "gguf": version("gguf"), "format": INDEX_FORMAT}
-    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
-    return f"{gguf_path.stem}-{digest}"
+    return file_cache_key(gguf_path, {"gguf": version("gguf"), "format": INDEX_FORMAT})
 
 
 def gguf_index_file(gguf_path: Path, cache_dir: str | Path | None = None) -> Path:
-    root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
-    return root / "gguf" / f"{gguf_index_key(gguf_path)}.json"
+    return cache_root(cache_dir) / "gguf" / f"{gguf_index_key(gguf_path)}.json"
 
 
 def read_gguf_index(gguf_path: Path, cache_dir: str | Path | None = None) -> GGUFIndex | None:

@@ -13,8 +13,6 @@ half-written entry; an unreadable entry is converted again; an unwritable cache 
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 import shutil
@@ -23,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tidal_engine.kernels.compile_cache import default_cache_dir
+from tidal_engine.kernels.compile_cache import cache_root, file_cache_key
 
 logger = logging.getLogger(__name__)
 
@@ -34,18 +32,14 @@ def tokenizer_cache_key(gguf_path: Path) -> str:
     import tokenizers
     import transformers
 
-    stat = gguf_path.stat()
-    identity = {"path": str(gguf_path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
-                "transformers": transformers.__version__, "tokenizers": tokenizers.__version__}
-    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
-    return f"{gguf_path.stem}-{digest}"
+    return file_cache_key(gguf_path, {"transformers": transformers.__version__, "tokenizers": tokenizers.__version__})
 
 
 def cached_gguf_tokenizer(gguf_path: Path, convert: Callable[[], Any], cache_dir: str | Path | None = None) -> Any:
     """The tokenizer of ``gguf_path``: read from the cache, or made by ``convert()`` and saved."""
     from transformers import AutoTokenizer
 
-    root = (Path(cache_dir).expanduser() if cache_dir else default_cache_dir()) / "tokenizers"
+    root = cache_root(cache_dir) / "tokenizers"
     entry = root / tokenizer_cache_key(gguf_path)
     if (entry / SAVED_MARKER).is_file():
         try:
