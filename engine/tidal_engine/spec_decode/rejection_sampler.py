@@ -90,24 +90,11 @@ def _greedy_verify(target: torch.Tensor, drafts: torch.Tensor, is_draft: torch.T
     return _accept_argmax(target.argmax(dim=2), drafts, is_draft)
 
 
-def greedy_verify_ids(argmax: torch.Tensor, draft_token_ids: torch.Tensor,
-                      num_drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``rejection_sample(..., all_greedy=True)`` from the target's argmaxes ``[R, k+1]``
-    (int64) instead of its distributions: the same ``(tokens, num_emitted)``. A draft id outside
-    the vocabulary is never an argmax, so it is rejected as in ``rejection_sample``."""
-    rows, positions = argmax.shape
-    k = positions - 1
-    if draft_token_ids.shape != (rows, k) or num_drafts.shape != (rows,):
-        raise ValueError("draft_token_ids must be [R, k] and num_drafts [R], with argmax [R, k+1]")
-    is_draft = torch.arange(k, device=argmax.device)[None, :] < num_drafts[:, None]
-    return _accept_argmax(argmax, draft_token_ids, is_draft)
-
-
 def accept_greedy(targets: list[int], drafts: list[int]) -> list[int]:
     """One greedy row on the host: ``targets`` are the target's argmaxes at the row's
     ``len(drafts) + 1`` verified positions. Accept the leading drafts equal to the argmax, then
-    emit the argmax at the first mismatch (or the bonus): the tokens ``greedy_verify_ids`` gives,
-    without its ~15 small kernels (a step's drafts are on the host already)."""
+    emit the argmax at the first mismatch (or the bonus): the tokens ``rejection_sample(...,
+    all_greedy=True)`` gives, without its small kernels (a step's drafts are on the host already)."""
     accepted = 0
     while accepted < len(drafts) and drafts[accepted] == targets[accepted]:
         accepted += 1
