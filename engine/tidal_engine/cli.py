@@ -1,7 +1,7 @@
 """`tidal-engine`: `serve` runs the OpenAI-compatible server, `generate` runs one prompt offline.
 
-Flags carry vLLM's names. Features Tidal does not have (the "vLLM features Tidal does not
-have" group) are accepted only with the value that means "off", so a vLLM command line that
+Flags carry vLLM's names. A vLLM flag Tidal does not have is unknown to the parser, and
+combinations Tidal cannot honour are refused (`check_unsupported`), so a vLLM command line that
 relies on them fails loudly instead of silently serving something else.
 """
 
@@ -186,10 +186,6 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parallel.add_argument("--distributed-executor-backend", default=None, choices=("uni", "mp"),
                           help="workers in the engine-core process (uni, the default for one device) "
                                "or one process per rank (mp, the default for more)")
-
-    unsupported = parser.add_argument_group(
-        "vLLM features Tidal does not have", "accepted only with the value that turns them off"
-    )
 
 
 def build_parser() -> argparse.ArgumentParser:
