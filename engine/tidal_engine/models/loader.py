@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from tidal_engine.models.config import ArchConfig, parse_dtype
@@ -443,11 +444,16 @@ class GGUFSource(ModelSource):
         for info, data in self._tensor_data():
             hf_name = gguf_to_hf_name(info.name)
             try:
-                array = dequantize(data, GGMLQuantizationType(info.ggml_type))
+                # A plain ndarray view: numpy's memmap subclass costs a hook on every slice
+                # the dequantizer takes (~1 s of CPU for SmolLM2).
+                array = dequantize(data.view(np.ndarray), GGMLQuantizationType(info.ggml_type))
             except Exception as exc:
                 raise ValueError(f"cannot dequantize {info.name} of {self.path}: {exc}") from None
+            # A dequantized array is fresh and ours, so torch shares it; an unquantized one is a
+            # view of the read-only file, so it is copied.
+            weight = torch.from_numpy(array) if array.flags.writeable else torch.tensor(array)
             # GGUF lists dimensions fastest-first; torch wants them slowest-first.
-            weight = torch.tensor(array).reshape(tuple(reversed(info.shape)))
+            weight = weight.reshape(tuple(reversed(info.shape)))
             if cfg.architecture == "llama" and hf_name.startswith("model.layers."):
                 if ".self_attn.q_proj." in hf_name:
                     weight = unpermute_rotary_rows(weight, cfg.num_attention_heads)
