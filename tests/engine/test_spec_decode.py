@@ -133,6 +133,54 @@ def test_verify_index_matches_a_per_row_layout() -> None:
     assert [t.tolist() for t in up] == [rows, plain, spec, ids, nd]
 
 
+@pytest.mark.parametrize("pad_to,pad_tokens_to", [(None, None), (1, 5), (2, 10)])
+def test_one_sequence_verify_layout(pad_to: int | None, pad_tokens_to: int | None) -> None:
+    # A single stream's verify step (one sequence, its token and 4 drafts across a block
+    # boundary) takes fill_step's one-sequence path: the same arrays as the per-token definition.
+    from tidal_engine.runner.input_buffers import StepInput, fill_step, plan_step
+    from tidal_engine.runner.persistent_batch import PersistentBatch
+
+    bs = 4
+    batch = PersistentBatch(4, 64, bs, torch.device("cpu"))
+    tokens = list(range(100, 110))
+    row = batch.add("r", tokens, [7, 3, 9, 2])
+    batch.token_ids[row, 10:14] = [50, 51, 52, 53]  # drafts sit past the known tokens
+    step = StepInput(rows=np.array([row]), starts=np.array([9]), q_lens=np.array([5]), samples=np.array([True]),
+                     fed=np.array([False]), num_drafts=np.array([4]))
+    index, value = batch.take_block_updates()
+    layout = plan_step(step, 4, pad_to, pad_tokens_to, num_bt_updates=int(index.shape[0]))
+    buf = np.full(layout.total + 8, -99, dtype=np.int64)
+    fill_step(buf, layout, step, batch.token_ids, batch.block_table, bs, index, value)
+    got = {name: buf[a:b].tolist() for name, (a, b) in layout.offsets().items()}
+    pad = (pad_tokens_to or 5) - 5
+    positions = list(range(9, 14))
+    assert got["positions"] == positions + [0] * pad
+    assert got["input_ids"] == [109, 50, 51, 52, 53] + [0] * pad
+    assert got["slot_mapping"] == [[7, 3, 9, 2][p // bs] * bs + p % bs for p in positions] + [-1] * pad
+    seqs = pad_to or 1
+    assert got["seq_lens"] == [14] + [0] * (seqs - 1) and layout.seq_lens == got["seq_lens"]
+    assert got["query_start_loc"] == [0] + [5] * seqs and layout.query_start_loc == got["query_start_loc"]
+    assert got["sample_rows"] == [4] and got["sampled_rows"] == [row]
+    assert got["batch_rows"] == [row] + [0] * (seqs - 1)
+    assert (buf[layout.total:] == -99).all()  # nothing written past the step
+
+
+def test_token_history_mirrors_a_growing_list() -> None:
+    from tidal_engine.spec_decode.token_history import TokenHistory
+
+    tokens = [5, 6, 7]
+    history = TokenHistory(capacity=2)
+    assert history.view(tokens).tolist() == [5, 6, 7]
+    for t in range(8, 40):  # grows past its capacity several times
+        tokens.append(t)
+        assert history.view(tokens).tolist() == tokens
+    tokens[-1] = 99  # a placeholder filled in place
+    history.replace(len(tokens) - 1, 99)
+    assert history.view(tokens).tolist() == tokens and history.view(tokens).dtype == np.int64
+    with pytest.raises(ValueError, match="shrank"):
+        history.view(tokens[:-1])
+
+
 def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
     expected = probs * counts.sum()
     return float(((counts - expected) ** 2 / expected).sum())

@@ -108,6 +108,33 @@ def test_stop_strings_and_n_and_mixed_rows_match_no_speculation(model_dir: Path,
     assert tok is not None
 
 
+def test_next_step_launched_ahead_and_an_abort_meanwhile(spec_llm: LLM, reference: list[list[int]]) -> None:
+    # Speculating without async scheduling, step() returns step N's outputs with step N+1
+    # already launched (N's tokens and stops were in before it was scheduled). A request
+    # aborted while N+1 runs gets nothing more; the other keeps its exact greedy tokens.
+    engine, core = spec_llm.engine, spec_llm.engine.core
+    assert not core.async_scheduling
+    for i in range(2):
+        engine.add_request(f"ahead{i}", PROMPTS[i], GREEDY)
+    got: dict[str, list[int]] = {"ahead0": [], "ahead1": []}
+    aborted_at = None
+    drafts_before = engine.get_stats().spec_decode_num_drafts
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            got[out.request_id] = list(out.outputs[0].token_ids)
+        if engine.has_unfinished_requests():
+            assert core._in_flight is not None  # the next step runs while the caller works
+        if aborted_at is None and len(got["ahead1"]) >= 5:
+            aborted_at = len(got["ahead1"])
+            engine.abort_request("ahead1")
+            assert core._in_flight is not None and "ahead1" in {c.request.request_id for c in core._in_flight.output.chunks}
+    assert got["ahead0"] == reference[0]
+    assert aborted_at is not None and got["ahead1"] == reference[1][:aborted_at]
+    assert engine.get_stats().spec_decode_num_drafts > drafts_before
+    core.settle()
+    assert core._in_flight is None and engine.get_stats().kv_cache_usage == 0
+
+
 def test_sampled_rows_run_with_drafts(spec_llm: LLM) -> None:
     before = spec_llm.engine.get_stats().spec_decode_num_drafts
     params = SamplingParams(temperature=0.8, top_k=20, max_tokens=30, ignore_eos=True)

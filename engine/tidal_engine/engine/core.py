@@ -13,6 +13,10 @@ N's sampled ids to N+1 on the device), and only then waits for N's ids and does 
 work while the device runs N+1. A sample that stops at N has one step computed for
 nothing; one whose N token is its last (max_tokens, the context) is held out of N+1.
 Steps with a grammar row (the next bitmask needs the token) or a LoRA row are synchronous.
+A speculating engine schedules synchronously (the proposer and the scheduler need each row's
+accepted tokens) but launches ahead: ``step()`` completes N (tokens, stops), then proposes,
+schedules and launches N+1 before it returns N's deltas, so the caller's output work
+(text, stop strings, messages to the API servers) overlaps N+1 on the device.
 
 Pipeline parallelism (PP = p) keeps up to p batches in flight instead (vLLM's batch queue):
 each ``step()`` schedules new batches from the requests that are in none of the in-flight
@@ -57,6 +61,7 @@ from tidal_engine.models.loader import load_tokenizer, resolve_dtype, resolve_mo
 from tidal_engine.sampling_params import SamplingParams
 from tidal_engine.spec_decode.config import SpeculativeConfig
 from tidal_engine.spec_decode.proposer import Proposer, build_proposer
+from tidal_engine.spec_decode.token_history import TokenHistory
 from tidal_engine.structured import GrammarCompilerCache, GrammarMatcher
 from tidal_engine.structured.reasoning_gate import ReasoningGate, reasoning_ended
 from tidal_engine.structured.token_rules import CombinedMatcher, TokenRules, bad_word_token_ids
@@ -77,6 +82,8 @@ class _Sample:
     finished: bool = False
     # prompt_logprobs gathered from the prefill chunks, sent with the first token.
     prompt_logprobs: list[SampledLogprobs] = field(default_factory=list)
+    # Speculative decoding: the tokens as an array the proposer reads (built on first use).
+    history: TokenHistory | None = None
 
 
 @dataclass
@@ -429,16 +436,27 @@ class EngineCore:
         if self.pipeline_depth > 1:
             return self._step_pipelined()
         if self._in_flight is None:
-            if self.proposer is not None:
-                self._propose()
-            self._in_flight = self._launch(self.scheduler.schedule())
+            self._in_flight = self._schedule_and_launch()
             if self._in_flight is None:
                 return []
         current, self._in_flight = self._in_flight, None
         if self.async_scheduling and not current.synchronous:
             hold = self._advance_with_placeholders(current)
             self._in_flight = self._launch(self.scheduler.schedule(hold=hold))
-        return self._complete(current)
+            return self._complete(current)
+        deltas = self._complete(current)
+        if self.proposer is not None and self._parents:
+            # Launch ahead: N's tokens and stops are in, so the next step is scheduled and
+            # running before the caller turns N's deltas into outputs (text, stop strings, the
+            # API servers' messages). A sample the caller then ends (a stop string, an abort)
+            # has that step computed for nothing, as with async scheduling.
+            self._in_flight = self._schedule_and_launch()
+        return deltas
+
+    def _schedule_and_launch(self) -> _Step | None:
+        if self.proposer is not None:
+            self._propose()
+        return self._launch(self.scheduler.schedule())
 
     def _step_pipelined(self) -> list[SampleDelta]:
         """Fill the batch queue with batches of requests in no in-flight batch (until the
@@ -462,6 +480,7 @@ class EngineCore:
         assert self.proposer is not None
         rows: list[Request] = []
         caps: list[int] = []
+        histories: list[np.ndarray] = []
         for req in self.scheduler.running:
             sample = self._samples.get(req.request_id)
             if sample is None or req.num_tokens - req.num_computed_tokens != 1 or not spec_eligible(sample):
@@ -469,12 +488,14 @@ class EngineCore:
             params = req.sampling_params
             cap = min((params.max_tokens or 0) - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
             if cap > 0:
+                if sample.history is None:
+                    sample.history = TokenHistory(min(req.num_prompt_tokens + (params.max_tokens or 0), 2 * req.num_tokens + 256))
                 rows.append(req)
                 caps.append(cap)
+                histories.append(sample.history.view(req.all_token_ids))
         if not rows:
             return
-        drafts = self.proposer.propose([np.asarray(r.all_token_ids, dtype=np.int64) for r in rows], caps,
-                                       [r.request_id for r in rows])
+        drafts = self.proposer.propose(histories, caps, [r.request_id for r in rows])
         for req, draft in zip(rows, drafts):
             req.spec_token_ids = draft.tolist()
 
@@ -598,6 +619,8 @@ class EngineCore:
             token_id = token_of[rid]
             if step.advanced:
                 chunk.request.fill_placeholder(token_id)
+                if sample.history is not None:
+                    sample.history.replace(chunk.request.num_tokens - 1, token_id)
             parent = self._parents[sample.parent_id]
             if isinstance(token_id, list):  # verified drafts: each token in turn, until one ends the sample
                 first_output = chunk.request.num_output_tokens - len(token_id)
@@ -619,8 +642,8 @@ class EngineCore:
         for chunk in step.sampling_chunks:
             tokens = token_of.get(chunk.request.request_id)
             drafts = len(chunk.draft_token_ids)
-            if not drafts or not isinstance(tokens, list):
-                continue
+            if not drafts or not isinstance(tokens, list) or chunk.request.is_finished:
+                continue  # (a sample ended since the step was launched: its tokens are dropped)
             accepted = len(tokens) - 1
             self.spec_num_drafts += 1
             self.spec_num_draft_tokens += drafts

@@ -120,11 +120,20 @@ class StepLayout:
     width: int  # W, block-table columns the step reads
     max_query_len: int
     max_seq_len: int
-    query_start_loc: list[int]  # host copies (the torch backend reads these)
-    seq_lens: list[int]
+    query_start_loc_np: np.ndarray  # [S + 1] int64, padding included
+    seq_lens_np: np.ndarray  # [S] int64, padding included
     sample_rows: np.ndarray  # rows of the flat batch whose hidden state is sampled
     feed_rows: np.ndarray  # rows of input_ids fed from the last sampled ids...
     feed_src: np.ndarray  # ...of these persistent-batch rows
+
+    @property
+    def query_start_loc(self) -> list[int]:
+        """Host copy as a list (the torch backend reads it; graph steps never ask)."""
+        return self.query_start_loc_np.tolist()
+
+    @property
+    def seq_lens(self) -> list[int]:
+        return self.seq_lens_np.tolist()
 
     @property
     def total(self) -> int:
@@ -203,14 +212,16 @@ def plan_step(
     if pad_tokens_to is None:
         if pad_to is not None and max_q != 1:
             raise ValueError("only decode-only steps (one token per sequence) are padded")
-        qsl[real + 1 :] = t_real + np.arange(1, pad + 1)
-        seq_lens[real:] = 1
+        if pad:
+            qsl[real + 1 :] = t_real + np.arange(1, pad + 1)
+            seq_lens[real:] = 1
         num_tokens = t_real + pad
     else:
         if pad_tokens_to < t_real:
             raise ValueError(f"cannot pad {t_real} tokens to {pad_tokens_to}")
-        qsl[real + 1 :] = t_real
-        seq_lens[real:] = 0
+        if pad:
+            qsl[real + 1 :] = t_real
+            seq_lens[real:] = 0
         num_tokens = pad_tokens_to
     ends = qsl[1 : real + 1] - 1
     sample_rows = ends[step.samples]
@@ -226,8 +237,8 @@ def plan_step(
         width=max(1, width),
         max_query_len=max_q,
         max_seq_len=int(seq_lens.max()),
-        query_start_loc=qsl.tolist(),
-        seq_lens=seq_lens.tolist(),
+        query_start_loc_np=qsl,
+        seq_lens_np=seq_lens,
         sample_rows=sample_rows,
         feed_rows=feed_rows,
         feed_src=step.rows[step.fed],
@@ -261,28 +272,33 @@ def fill_step(
     if layout.max_query_len == 1:  # decode: one token per sequence, no per-token repeats
         tok_rows = step.rows
         p = step.starts
+    elif real == 1:  # one sequence (a single stream's verify step): a plain range
+        tok_rows = step.rows[0]
+        p = np.arange(step.starts[0], step.starts[0] + t_real, dtype=np.int64)
     else:
-        qsl = np.asarray(layout.query_start_loc[: real + 1], dtype=np.int64)
         tok_rows = np.repeat(step.rows, step.q_lens)
-        p = np.repeat(step.starts - qsl[:-1], step.q_lens) + np.arange(t_real, dtype=np.int64)
+        p = np.repeat(step.starts - layout.query_start_loc_np[:real], step.q_lens) + np.arange(t_real, dtype=np.int64)
     pos[:t_real] = p
     ids[:t_real] = token_ids[tok_rows, p]
     if layout.num_feeds:
         ids[layout.feed_rows] = 0  # the placeholder; the device writes the real id
-    slots[:t_real] = block_table[tok_rows, p // block_size] * block_size + p % block_size
-    # Padding tokens: token 0 at position 0, stored nowhere.
-    ids[t_real:] = 0
-    pos[t_real:] = 0
-    slots[t_real:] = -1
-    span("seq_lens")[:] = layout.seq_lens
-    span("query_start_loc")[:] = layout.query_start_loc
+    block, within = np.divmod(p, block_size)
+    slots[:t_real] = block_table[tok_rows, block] * block_size + within
+    if layout.num_tokens > t_real:  # padding tokens: token 0 at position 0, stored nowhere
+        ids[t_real:] = 0
+        pos[t_real:] = 0
+        slots[t_real:] = -1
+    span("seq_lens")[:] = layout.seq_lens_np
+    span("query_start_loc")[:] = layout.query_start_loc_np
     span("sample_rows")[:] = layout.sample_rows
     batch_rows = span("batch_rows")
     batch_rows[:real] = step.rows
-    batch_rows[real:] = 0
+    if layout.num_seqs > real:
+        batch_rows[real:] = 0
     span("sampled_rows")[:] = step.rows[step.samples]
-    span("feed_rows")[:] = layout.feed_rows
-    span("feed_src")[:] = layout.feed_src
+    if layout.num_feeds:
+        span("feed_rows")[:] = layout.feed_rows
+        span("feed_src")[:] = layout.feed_src
     if layout.num_bt_updates:
         assert bt_index is not None and bt_value is not None
         span("bt_index")[:] = bt_index

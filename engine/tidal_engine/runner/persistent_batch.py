@@ -139,6 +139,12 @@ class PersistentBatch:
         """Record one sampled token for each of ``rows`` (distinct rows)."""
         if not len(rows):
             return
+        if len(rows) == 1:  # scalar indexing: a verify row's tokens come one call each
+            row, count = int(rows[0]), int(self.num_tokens[rows[0]])
+            self.ensure_token_capacity(count + 1)
+            self.token_ids[row, count] = token_ids[0]
+            self.num_tokens[row] = count + 1
+            return
         n = self.num_tokens[rows]
         self.ensure_token_capacity(int(n.max()) + 1)
         self.token_ids[rows, n] = token_ids
