@@ -86,13 +86,15 @@ def shape_key(n: int, k: int, dtype: Any, bias: bool) -> str:
 
 
 def encode_choice(choice: Any) -> dict[str, int] | None:
-    """A GemvConfig as JSON (None: cuBLAS); a pipelined one (FP8's) adds its ``num_stages``."""
+    """A GemvConfig as JSON (None: cuBLAS); an FP8 one adds its ``num_stages`` and ``split_k``
+    where they are not 1 (so choices stored before either existed still decode)."""
     if choice is None:
         return None
     data = {"block_n": int(choice.block_n), "block_k": int(choice.block_k), "num_warps": int(choice.num_warps)}
-    stages = int(getattr(choice, "num_stages", 1))
-    if stages != 1:
-        data["num_stages"] = stages
+    for field in ("num_stages", "split_k"):
+        value = int(getattr(choice, field, 1))
+        if value != 1:
+            data[field] = value
     return data
 
 
