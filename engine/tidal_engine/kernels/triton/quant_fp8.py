@@ -15,13 +15,19 @@
   matrix in 8-row tiles is only 512 programs, under 4 an SM, which keeps too few bytes in
   flight. The splits meet in one kernel (partials in a scratch, an arrival counter per tile;
   the last to arrive adds them in a fixed order), so a linear stays one launch, deterministic
-  and CUDA-graph safe, with no zeroing or reduction kernel around it.
+  and CUDA-graph safe, with no zeroing or reduction kernel around it. ``pdl`` launches the
+  kernel with programmatic dependent launch (Hopper): its programs may be scheduled while the
+  previous kernel (the norm, attention or activation producing x) is still finishing, and wait
+  for it (``griddepcontrol.wait``) before reading x; with 2 they first prefetch their first
+  weight lines into L2, which no previous kernel writes.
 - ``quantize_rows_fp8``: dynamic per-token activation quantization in one kernel (absmax of
   the row → scale = absmax / 448 → e4m3), in front of ``torch._scaled_mm`` for larger batches.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +35,11 @@ import triton
 import triton.language as tl
 
 from tidal_engine.kernels.triton.gemv import GemvConfig, check_grid_rows
+
+try:
+    from triton.language.extra.cuda import gdc_wait
+except ImportError:  # a Triton without programmatic dependent launch (before 3.4): pdl candidates run plain
+    gdc_wait = None
 
 FP8_MAX = tl.constexpr(448.0)
 MIN_SCALE = tl.constexpr(1e-12)  # an all-zero row still gets a finite scale (as quantization/fp8.py)
@@ -42,6 +53,7 @@ class Fp8GemvConfig(GemvConfig):
 
     num_stages: int = 1
     split_k: int = 1
+    pdl: int = 0  # 1: launched early (programmatic dependent launch); 2: also prefetch weights meanwhile
 
 
 # The candidates timed at start-up (kernels/gemv_choice.py): one byte a weight, so wider K
@@ -68,6 +80,11 @@ FP8_GEMV_CONFIGS: tuple[Fp8GemvConfig, ...] = (
     Fp8GemvConfig(16, 512, 8, 3, split_k=2),
     Fp8GemvConfig(8, 256, 2, 6, split_k=2),
     Fp8GemvConfig(4, 512, 2, 4, split_k=2),
+    Fp8GemvConfig(8, 512, 4, 3, pdl=1),
+    Fp8GemvConfig(8, 512, 4, 3, pdl=2),
+    Fp8GemvConfig(8, 512, 4, 6, pdl=2),
+    Fp8GemvConfig(4, 512, 2, 6, pdl=2),
+    Fp8GemvConfig(8, 512, 4, 3, split_k=2, pdl=2),
 )
 
 
@@ -90,6 +107,7 @@ def _fp8_gemv_kernel(
     HAS_BIAS: tl.constexpr,
     STAGES: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     m = tl.program_id(0)
     tile = tl.program_id(1)
@@ -106,6 +124,16 @@ def _fp8_gemv_kernel(
         span = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
         k_start = split * span
         k_end = tl.minimum(k_start + span, K)
+    if PDL == 2:
+        # Launched before the previous kernel has finished: the weights are not its output, so
+        # their first 128-byte lines (up to 2 KiB a row) start towards L2 now.
+        line = k_start + tl.arange(0, 16) * 128
+        first = w_ptr + tl.minimum(rows, N - 1).to(tl.int64)[:, None] * stride_wn \
+            + tl.minimum(line, k_end - 1)[None, :]
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [first], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+    if PDL != 0:
+        gdc_wait()  # x is the previous kernel's output: wait for all of it
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
         k = k0 + tl.arange(0, BLOCK_K)
@@ -181,13 +209,24 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: t
         parts, counts = split_scratch(x.device, m * tiles, m * tiles * split_k * config.block_n)
     else:
         parts, counts = scale, scale  # not read
+    pdl = getattr(config, "pdl", 0) if _pdl_launch_possible(x.device) else 0
+    launch = {"launch_pdl": True} if pdl else {}  # only then: a plain launch stays what it was
     _fp8_gemv_kernel[(m, tiles, split_k)](
         x, weight, scale, bias if bias is not None else scale, out, parts, counts, n, k, x.stride(0),
         weight.stride(0), out.stride(0), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        HAS_BIAS=bias is not None, STAGES=getattr(config, "num_stages", 1), SPLIT_K=split_k,
-        num_warps=config.num_warps,
+        HAS_BIAS=bias is not None, STAGES=getattr(config, "num_stages", 1), SPLIT_K=split_k, PDL=pdl,
+        num_warps=config.num_warps, **launch,
     )
     return out
+
+
+@functools.cache
+def _pdl_launch_possible(device: torch.device) -> bool:
+    """Programmatic dependent launch: compiled kernels on compute capability 9.0+ with a Triton
+    that has it. Elsewhere (the CPU interpreter too) a ``pdl`` config runs as a plain launch,
+    with the same numbers."""
+    return (gdc_wait is not None and device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+            and torch.cuda.get_device_capability(device) >= (9, 0))
 
 
 @triton.jit
