@@ -60,7 +60,8 @@ class Fp8GemvConfig(GemvConfig):
 # tiles. On the H200 (2026-12-01c) a 3-stage (8, 512, 4) won every 8B shape at one row, yet read
 # only 2.3 TB/s on 4096 x 4096 and 3.2 on 4096 x 12288: 512 programs of 8 rows are under 4 an SM,
 # too few bytes in flight. Deeper pipelines, smaller programs (2 warps) and split K each put
-# more in flight; the old candidates never within 10% of the best at one or four rows are gone.
+# more in flight; ``pdl`` twins of the likeliest ones overlap the launch with the previous
+# kernel. The old candidates never within 10% of the best at one or four rows are gone.
 FP8_GEMV_CONFIGS: tuple[Fp8GemvConfig, ...] = (
     Fp8GemvConfig(4, 1024, 4),
     Fp8GemvConfig(8, 512, 4),
@@ -85,6 +86,7 @@ FP8_GEMV_CONFIGS: tuple[Fp8GemvConfig, ...] = (
     Fp8GemvConfig(8, 512, 4, 6, pdl=2),
     Fp8GemvConfig(4, 512, 2, 6, pdl=2),
     Fp8GemvConfig(8, 512, 4, 3, split_k=2, pdl=2),
+    Fp8GemvConfig(8, 512, 4, 4, split_k=3, pdl=2),
 )
 
 
