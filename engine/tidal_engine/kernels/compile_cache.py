@@ -86,15 +86,13 @@ def shape_key(n: int, k: int, dtype: Any, bias: bool) -> str:
 
 
 def encode_choice(choice: Any) -> dict[str, int] | None:
-    """A GemvConfig as JSON (None: cuBLAS); an FP8 one adds its ``num_stages``, ``split_k`` and
-    ``pdl`` where they are not the default (so choices stored before they existed still decode)."""
+    """A GemvConfig as JSON (None: cuBLAS); a pipelined one (FP8's) adds its ``num_stages``."""
     if choice is None:
         return None
     data = {"block_n": int(choice.block_n), "block_k": int(choice.block_k), "num_warps": int(choice.num_warps)}
-    for field, default in (("num_stages", 1), ("split_k", 1), ("pdl", 0)):
-        value = int(getattr(choice, field, default))
-        if value != default:
-            data[field] = value
+    stages = int(getattr(choice, "num_stages", 1))
+    if stages != 1:
+        data["num_stages"] = stages
     return data
 
 

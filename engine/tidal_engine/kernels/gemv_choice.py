@@ -120,21 +120,19 @@ def _choose_small_batch(module: nn.Module, cache: dict[Any, Candidate], dtype: t
             for config in method.gemv_candidates:
                 try:
                     got = method.run_gemv(module, x, weights, bias, config).float()
-                    # The general path may quantize the activations (W8A8) where the kernel does not:
-                    # this only catches a broken kernel, not a rounding difference.
-                    if not torch.allclose(got, reference, rtol=0.1, atol=0.1 * reference.abs().max().item()):
-                        logger.warning("small-batch kernel %s disagrees with the general path on %s; not used",
-                                       config, key)
-                        continue
-                    timings[config] = time_in_graph(lambda ws, c=config: method.run_gemv(module, x, ws, bias, c),
-                                                    copies)
                 except ValueError:  # the tile does not fit this shape
                     continue
-                except Exception as exc:  # e.g. Triton out of resources, or a launch kind a graph refuses
+                except Exception as exc:  # e.g. Triton out of resources on this GPU: not a candidate here
                     if is_device_fault(exc):
                         raise  # the CUDA context is unusable after a fault: skipping would hide it
                     logger.warning("small-batch kernel %s failed on %s: %s; not used", config, key, exc)
                     continue
+                # The general path may quantize the activations (W8A8) where the kernel does not:
+                # this only catches a broken kernel, not a rounding difference.
+                if not torch.allclose(got, reference, rtol=0.1, atol=0.1 * reference.abs().max().item()):
+                    logger.warning("small-batch kernel %s disagrees with the general path on %s; not used", config, key)
+                    continue
+                timings[config] = time_in_graph(lambda ws, c=config: method.run_gemv(module, x, ws, bias, c), copies)
             cache[key] = pick_fastest(timings)
             logger.info("%d-row %s linear %dx%d: %s (%s)", rows, kind, key[0], key[1], cache[key] or "general path",
                         ", ".join(f"{c or 'general'}={t * 1e6:.1f}us" for c, t in timings.items()))

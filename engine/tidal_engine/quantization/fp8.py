@@ -11,9 +11,8 @@ The matmul is ``torch._scaled_mm`` on GPUs with FP8 tensor cores (compute capabi
 with the activations quantized by one Triton kernel (kernels/triton/quant_fp8.py); inputs of
 a few rows (decode) may instead go to the FP8-weight Triton GEMV, which widens the weights in
 registers and leaves the activations in 16 bits (chosen per shape by measurement,
-kernels/gemv_choice.py; at one row the linear is that one kernel launch, split K included).
-Everywhere else a reference in the run dtype computes the W8A8 numbers: quantize the
-activations, dequantize both, multiply.
+kernels/gemv_choice.py). Everywhere else a reference in the run dtype computes the W8A8
+numbers: quantize the activations, dequantize both, multiply.
 """
 
 from __future__ import annotations
@@ -111,18 +110,6 @@ class Fp8LinearMethod(LinearMethod, SmallBatchKernel):
 
     def gemv_weights(self, layer: LinearBase) -> tuple[torch.Tensor, ...]:
         return layer.weight, layer.weight_scale
-
-    def warm_up(self, layer: LinearBase, dtype: torch.dtype) -> None:
-        """A split-K choice's scratch is allocated now, outside any CUDA-graph capture (a choice
-        read from the start-up cache has launched nothing yet)."""
-        from tidal_engine.kernels.triton.quant_fp8 import split_scratch
-        from tidal_engine.quantization.base import GEMV_MAX_ROWS
-
-        for rows, config in ((1, layer.gemv_config), (GEMV_MAX_ROWS, getattr(layer, "gemv_config_few", None))):
-            split_k = getattr(config, "split_k", 1)
-            if split_k > 1:
-                slots = rows * -(-layer.weight.shape[0] // config.block_n)
-                split_scratch(layer.weight.device, slots, slots * split_k * config.block_n)
 
     def run_gemv(self, layer: LinearBase, x: torch.Tensor, weights: tuple[torch.Tensor, ...],
                  bias: torch.Tensor | None, config: Any) -> torch.Tensor:
