@@ -2,7 +2,8 @@
 
 For each weight shape: bf16 cuBLAS (``F.linear`` on the dequantized weights) at 1, 4, 16 and
 128 rows; the INT4 GEMM at those rows (its default tiles, and a few alternatives at 16 and 128
-rows); every INT4 GEMV candidate (kernels/triton/quant_int4.py) at 1 and 4 rows. Each time is
+rows); every INT4 GEMV candidate (kernels/triton/quant_int4.py: by groups, by words, on tensor
+cores; split-K ones named ``...,splitS)``) at 1 and 4 rows. Each time is
 32 calls captured in one CUDA graph, the weights rotated through enough copies to exceed the
 L2 cache (kernels/gemv_choice.py's ``time_in_graph``, as the start-up choice times them).
 Bandwidth counts the INT4 words plus the scales and zeros (bf16: the 16-bit weights).
@@ -67,7 +68,9 @@ def bench_shape(n: int, k: int) -> dict[str, Any]:
                 lambda ws, t=tiles: int4_gemm(x, *ws, GROUP, None, tiles=t), int4_copies)
         if rows <= 4:
             for config in INT4_GEMV_CONFIGS:
-                name = f"{type(config).__name__}({config.block_n},{config.block_k},{config.num_warps})"
+                split = getattr(config, "split_k", 1)
+                name = (f"{type(config).__name__}({config.block_n},{config.block_k},{config.num_warps}"
+                        + (f",split{split}" if split != 1 else "") + ")")
                 try:
                     torch.testing.assert_close(int4_gemv(x, *weights, GROUP, None, config).float(), expected, **tol)
                 except ValueError:

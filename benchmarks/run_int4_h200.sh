@@ -8,13 +8,14 @@ export PYTHONPATH=engine:operator${PYTHONPATH:+:$PYTHONPATH} TRITON_INTERPRET=0 
 export TIDAL_BENCH_DATE=${TIDAL_BENCH_DATE:-2026-12-01}
 PY=${PY:-python3}
 echo "=== tests $(date +%T)"
-timeout ${T_TESTS:-90} $PY -m pytest -q -p no:cacheprovider -o addopts= -m gpu tests/engine/test_quantization_kernels.py \
+timeout ${T_TESTS:-95} $PY -m pytest -q -p no:cacheprovider -o addopts= -m gpu tests/engine/test_quantization_kernels.py \
   > "$OUT/gpu-tests.txt" 2>&1; echo "rc $?" >> "$OUT/gpu-tests.txt"; tail -4 "$OUT/gpu-tests.txt"
 echo "=== micro $(date +%T)"
-timeout ${T_MICRO:-45} $PY benchmarks/int4_micro.py --out "$OUT/int4-micro.json" 2>&1 | tail -20
+timeout ${T_MICRO:-75} $PY benchmarks/int4_micro.py --out "$OUT/int4-micro.json" 2>&1 | tail -20
 for quant in gptq awq; do
   echo "=== $quant $(date +%T)"
-  timeout ${T_BENCH:-85} $PY benchmarks/gpu_bench.py --shape qwen3-8b --suite quant --quantization $quant \
+  limit=${T_BENCH:-90}; [ $quant = awq ] && limit=${T_BENCH_AWQ:-60}  # awq reuses gptq's stored choices
+  timeout $limit $PY benchmarks/gpu_bench.py --shape qwen3-8b --suite quant --quantization $quant \
     --out "$OUT/quant-qwen3-8b-$quant.json" > "$OUT/bench-log-$quant.txt" 2>&1; echo "rc $?"
   grep -E "single_stream|output_tok_s_median|Traceback|Error" "$OUT/bench-log-$quant.txt" | cut -c1-300 | tail -5
 done

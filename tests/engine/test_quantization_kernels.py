@@ -22,9 +22,11 @@ from tidal_engine.kernels.triton.quant_fp8 import (  # noqa: E402
     fp8_gemv,
     quantize_rows_fp8,
 )
+from tidal_engine.kernels.triton.quant_int4 import _split_workspaces  # noqa: E402
 from tidal_engine.kernels.triton.quant_int4 import (  # noqa: E402
     INT4_GEMV_CONFIGS,
     GroupGemvConfig,
+    TcGemvConfig,
     gemm_tiles,
     int4_gemm,
     int4_gemv,
@@ -129,6 +131,15 @@ def test_int4_kernels_match_the_reference_for_both_layouts(fmt: str, group: int,
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
     got = int4_gemv(x, *weights, group, None, GroupGemvConfig(16, 4 * group, 1))
     torch.testing.assert_close(got, expected - b, rtol=1e-5, atol=1e-4)
+    # Split-K (fp32 partial sums in a shared workspace the last program empties), by groups and
+    # on tensor cores (a dot of the integers q - z, scaled per group after it); a split one
+    # twice, so the second call finds the workspace and counters the first one left clean.
+    for config in (GroupGemvConfig(16, group, 1, 2), TcGemvConfig(32, 64, 1, 1, 1), TcGemvConfig(32, 64, 1, 4, 2),
+                   TcGemvConfig(32, 64, 1, 4, 2)):
+        got = int4_gemv(x, *weights, group, b, config)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
+    workspace, counters = _split_workspaces[(x.device, 40)]
+    assert not workspace.any() and not counters.any()
     x = torch.randn(20, 256)  # two row tiles of 16, one of them partial
     b = torch.randn(40)
     got = int4_gemm(x, *weights, group, None, tiles=(16, 16, 32, 1, 1))
@@ -163,6 +174,14 @@ def test_int4_kernels_refuse_what_they_cannot_read() -> None:
         int4_gemv(torch.randn(1, 128), *weights, 64, None, GemvConfig(8, 12, 2))
     with pytest.raises(ValueError, match="power-of-two number of groups"):
         int4_gemv(torch.randn(1, 128), *weights, 64, None, GroupGemvConfig(8, 192, 2))
+    with pytest.raises(ValueError, match="do not split"):  # 2 groups, steps of 1, 4 ways
+        int4_gemv(torch.randn(1, 128), *weights, 64, None, GroupGemvConfig(8, 64, 2, 4))
+    with pytest.raises(ValueError, match="does not tile"):  # 128 inputs, steps of 64, 4 ways
+        int4_gemv(torch.randn(1, 128), *weights, 64, None, TcGemvConfig(64, 64, 4, 4))
+    with pytest.raises(ValueError, match="does not tile"):  # a step across two groups
+        int4_gemv(torch.randn(1, 128), *weights, 64, None, TcGemvConfig(64, 128, 4, 1))
+    with pytest.raises(ValueError, match="up to 16 rows"):
+        int4_gemv(torch.randn(17, 128), *weights, 64, None, TcGemvConfig(64, 64, 4, 1))
 
 
 @_cpu
@@ -207,6 +226,10 @@ def test_quantized_choices_survive_the_disk(tmp_path: Path) -> None:
         (6144, 4096, "fp8r4", False): None,
         (4096, 12288, "int4g128r1", True): INT4_GEMV_CONFIGS[3],
     }
+    save_choices(path, choices)
+    assert load_choices(path, GEMV_CONFIGS) == choices
+    # Every INT4 candidate has its own stored form (kernel, tile, split and stages tell them apart).
+    choices = {(4096, 4096 + i, "int4g128r1", False): config for i, config in enumerate(INT4_GEMV_CONFIGS)}
     save_choices(path, choices)
     assert load_choices(path, GEMV_CONFIGS) == choices
     # A stored tile that is no longer a candidate is dropped (it gets timed again).
@@ -266,7 +289,8 @@ def test_int4_kernels_match_gpu(fmt: str, group: int, symmetric: bool, shape: tu
         torch.testing.assert_close(int4_gemm(x, *weights, group, None).float(), expected, **tol)
         if rows <= GEMV_MAX_ROWS:
             # Every candidate at groups of 128 (the benchmark's); one of each kernel at 64 (compiling costs).
-            configs = INT4_GEMV_CONFIGS if group == 128 else (GroupGemvConfig(8, 1024, 4), GemvConfig(8, 512, 4))
+            configs = INT4_GEMV_CONFIGS if group == 128 else (GroupGemvConfig(8, 1024, 4), GemvConfig(8, 512, 4),
+                                                              GroupGemvConfig(16, 1024, 4, 2), TcGemvConfig(64, 64, 4, 4))
             for config in configs:
                 torch.testing.assert_close(int4_gemv(x, *weights, group, None, config).float(), expected, **tol)
 
@@ -307,6 +331,37 @@ def test_choice_sets_small_batch_kernels_and_they_replay_in_a_cuda_graph() -> No
         graph.replay()
         torch.cuda.synchronize()
         torch.testing.assert_close(out, eager, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@_compiled_gpu
+def test_split_k_gemvs_replay_in_a_cuda_graph() -> None:
+    """The split-K GEMVs leave their shared workspace clean after every call, so replays of one
+    graph holding several of them (two layers of one width, as a decode step has) keep giving
+    the eager results."""
+    layers = [_int4_layer("gptq", 4096, 4096, 128, False, seed=seed, device="cuda", dtype=torch.bfloat16)[0]
+              for seed in (0, 1)]
+    configs = (TcGemvConfig(64, 128, 4, 4), GroupGemvConfig(16, 1024, 4, 2), TcGemvConfig(128, 128, 8, 2))
+    for rows in (1, GEMV_MAX_ROWS):
+        static = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
+
+        def step() -> list[torch.Tensor]:
+            return [int4_gemv(static, layer.qweight, layer.scales, layer.zeros, 128, None, config)
+                    for layer in layers for config in configs]
+
+        eager = step()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = step()
+        for _ in range(3):
+            static.copy_(torch.randn_like(static))
+            graph.replay()
+            torch.cuda.synchronize()
+            eager = step()
+            for out, ref in zip(outs, eager):
+                torch.testing.assert_close(out, ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
+        workspace, counters = _split_workspaces[(static.device, 4096)]
+        assert not workspace.any() and not counters.any()
 
 
 @_cpu

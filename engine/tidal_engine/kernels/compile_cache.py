@@ -86,13 +86,17 @@ def shape_key(n: int, k: int, dtype: Any, bias: bool) -> str:
 
 
 def encode_choice(choice: Any) -> dict[str, int] | None:
-    """A GemvConfig as JSON (None: cuBLAS); a pipelined one (FP8's) adds its ``num_stages``."""
+    """A GemvConfig as JSON (None: cuBLAS); a pipelined one (FP8's) adds its ``num_stages``, a
+    split-K one (INT4's tensor-core GEMV) its ``split_k``."""
     if choice is None:
         return None
     data = {"block_n": int(choice.block_n), "block_k": int(choice.block_k), "num_warps": int(choice.num_warps)}
     stages = int(getattr(choice, "num_stages", 1))
     if stages != 1:
         data["num_stages"] = stages
+    split = int(getattr(choice, "split_k", 1))
+    if split != 1:
+        data["split_k"] = split
     return data
 
 

@@ -164,14 +164,23 @@ class Int4LinearMethod(LinearMethod, SmallBatchKernel):
         return F.linear(x, w, bias)
 
     def warm_up(self, layer: LinearBase, dtype: torch.dtype) -> None:
-        """One input per GEMM tile class, so none compiles while a decode graph is captured."""
-        if self.group_size % 16 or dtype not in (torch.bfloat16, torch.float16) or not layer.qweight.is_cuda:
+        """One input per GEMM tile class and one per chosen GEMV, so none compiles while a decode
+        graph is captured, and a split-K GEMV's workspace is made (zeroed) outside any capture."""
+        if dtype not in (torch.bfloat16, torch.float16) or not layer.qweight.is_cuda:
             return
         from tidal_engine.kernels.triton.quant_int4 import GEMM_TILE_ROWS
+        from tidal_engine.quantization.base import GEMV_MAX_ROWS
 
-        for rows in GEMM_TILE_ROWS:
-            x = torch.zeros(rows, layer.in_features, dtype=dtype, device=layer.qweight.device)
-            self.run_general(layer, x, self.gemv_weights(layer), layer.bias)
+        weights = self.gemv_weights(layer)
+        if self.group_size % 16 == 0:
+            for rows in GEMM_TILE_ROWS:
+                x = torch.zeros(rows, layer.in_features, dtype=dtype, device=layer.qweight.device)
+                self.run_general(layer, x, weights, layer.bias)
+        for rows, config in ((1, getattr(layer, "gemv_config", None)),
+                             (GEMV_MAX_ROWS, getattr(layer, "gemv_config_few", None))):
+            if config is not None:
+                x = torch.zeros(rows, layer.in_features, dtype=dtype, device=layer.qweight.device)
+                self.run_gemv(layer, x, weights, layer.bias, config)
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         shape = x.shape

@@ -34,28 +34,50 @@ FLOAT_2_23_BITS = 0x4B000000  # float32 2^23: a small integer or-ed into its man
 
 @dataclass(frozen=True)
 class GroupGemvConfig(GemvConfig):
-    """A tile of the by-groups GEMV: ``block_n`` rows × ``block_k`` inputs (whole groups) a step.
-    Its ``block_k`` values (1024 and up) are not those of the by-words candidates (up to 512), so a
-    choice stored as (block_n, block_k, num_warps) names one kernel."""
+    """A tile of the by-groups GEMV: ``block_n`` rows × ``block_k`` inputs (whole groups) a step,
+    the groups cut into ``split_k`` programs (partial sums added in fp32, as the tensor-core
+    GEMV does). Its ``block_k`` values (1024 and up) are not those of the by-words candidates (up
+    to 512), so a stored choice (block_n, block_k, num_warps, split_k) names one kernel."""
+
+    split_k: int = 1
+
+
+@dataclass(frozen=True)
+class TcGemvConfig(GemvConfig):
+    """A tile of the tensor-core GEMV: ``block_n`` weight rows × ``block_k`` inputs (within one
+    group) a step, the K loop cut into ``split_k`` programs (partial sums added in fp32), the
+    word loads pipelined ``num_stages`` deep. Its ``block_k`` values (64, 128) are neither the
+    by-groups (1024+) nor the by-words (512) ones."""
+
+    split_k: int = 1
+    num_stages: int = 3
 
 
 # The candidates timed at start-up (kernels/gemv_choice.py); block_k counts weights (8 a word).
 INT4_GEMV_CONFIGS: tuple[GemvConfig, ...] = (
-    GroupGemvConfig(4, 2048, 1),
-    GroupGemvConfig(4, 2048, 4),
+    # By groups: the five best on the H200 (benchmarks/results/h200-2026-12-01c-int4), then
+    # split-K twins for the narrow shapes (4096 and 6144 rows fill the GPU only a program or two an SM).
     GroupGemvConfig(8, 2048, 2),
-    GroupGemvConfig(8, 1024, 4),
-    GroupGemvConfig(8, 2048, 4),
-    GroupGemvConfig(8, 4096, 8),
     GroupGemvConfig(16, 1024, 4),
     GroupGemvConfig(16, 2048, 4),
     GroupGemvConfig(16, 2048, 8),
-    GroupGemvConfig(16, 4096, 8),
-    GroupGemvConfig(32, 1024, 8),
     GroupGemvConfig(32, 2048, 8),
+    GroupGemvConfig(8, 2048, 2, 2),
+    GroupGemvConfig(16, 1024, 4, 2),
+    GroupGemvConfig(16, 1024, 4, 4),
+    GroupGemvConfig(16, 2048, 4, 2),
+    GroupGemvConfig(16, 2048, 4, 3),
+    # By words: any group size.
     GemvConfig(4, 512, 4),
     GemvConfig(8, 512, 4),
-    GemvConfig(16, 512, 4),
+    # Tensor cores.
+    TcGemvConfig(64, 128, 4, 1),
+    TcGemvConfig(64, 128, 4, 2),
+    TcGemvConfig(64, 128, 4, 4),
+    TcGemvConfig(64, 128, 4, 8),
+    TcGemvConfig(128, 128, 8, 2),
+    TcGemvConfig(128, 128, 8, 4),
+    TcGemvConfig(64, 64, 4, 4),
 )
 
 
@@ -144,6 +166,8 @@ def _int4_group_gemv_kernel(
     z_ptr,
     b_ptr,
     out_ptr,
+    ws_ptr,
+    cnt_ptr,
     N,
     K,
     stride_xm,
@@ -154,6 +178,7 @@ def _int4_group_gemv_kernel(
     GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr,
     GROUPS: tl.constexpr,
+    SPLIT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     EVEN: tl.constexpr,
 ):
@@ -169,8 +194,10 @@ def _int4_group_gemv_kernel(
     z_tile = z_ptr + rows64[:, None] * stride_sn + g[None, :]
     x_tile = x_ptr + m.to(tl.int64) * stride_xm + g[:, None] * GROUP + t[None, :] * 8
     n_groups = K // GROUP
+    per_program = n_groups // SPLIT  # SPLIT > 1: a multiple of GROUPS (checked by the caller)
+    g_start = tl.program_id(2) * per_program
     acc = tl.zeros([BLOCK_N, GROUPS], tl.float32)
-    for g0 in range(0, n_groups, GROUPS):
+    for g0 in range(g_start, g_start + per_program, GROUPS):
         if EVEN:  # no masks: N and the groups are multiples of the tile
             words = tl.load(q_tile + g0 * GW)
             s = tl.load(s_tile + g0).to(tl.float32)
@@ -196,9 +223,23 @@ def _int4_group_gemv_kernel(
             dot += weight * (x_i * (1.0 / (1 << (4 * (i % 4)))))[None, :, :]
         acc += s * (tl.sum(dot, axis=2) - z * tl.sum(x_sum, axis=1)[None, :])
     y = tl.sum(acc, axis=1)
-    if HAS_BIAS:
-        y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + m.to(tl.int64) * stride_om + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
+    out = out_ptr + m.to(tl.int64) * stride_om + rows
+    if SPLIT == 1:
+        if HAS_BIAS:
+            y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+        tl.store(out, y.to(out_ptr.dtype.element_ty), mask=row_ok)
+    else:  # as the tensor-core GEMV's split (below); a counter per (input row, row tile)
+        ws = ws_ptr + m.to(tl.int64) * N + rows
+        tl.atomic_add(ws, y, mask=row_ok, sem="relaxed")
+        tl.debug_barrier()
+        counter = cnt_ptr + m * tl.num_programs(1) + tl.program_id(1)
+        if tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT - 1:
+            y = tl.atomic_add(ws, tl.zeros([BLOCK_N], tl.float32), mask=row_ok, sem="acquire")
+            tl.store(ws, tl.zeros([BLOCK_N], tl.float32), mask=row_ok)
+            if HAS_BIAS:
+                y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+            tl.store(out, y.to(out_ptr.dtype.element_ty), mask=row_ok)
+            tl.store(counter, 0)
 
 
 def _check(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> None:
@@ -223,11 +264,15 @@ def _is_power_of_two(value: int) -> bool:
 def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
               bias: torch.Tensor | None, config: GemvConfig) -> torch.Tensor:
     """``x [M, K] @ dequant(qweight)^T (+ bias)`` → ``[M, N]`` in x's dtype, for small M; a
-    ``GroupGemvConfig`` runs the by-groups kernel, a plain ``GemvConfig`` the by-words one."""
+    ``GroupGemvConfig`` runs the by-groups kernel, a ``TcGemvConfig`` the tensor-core one, a
+    plain ``GemvConfig`` the by-words one."""
     _check(x, qweight, scales, zeros, group_size)
     n, words = qweight.shape
     if config.block_k % PACK:
         raise ValueError(f"block_k {config.block_k} is not a whole number of words")
+    if isinstance(config, TcGemvConfig):
+        return _int4_tc_gemv(x if x.stride(1) == 1 else x.contiguous(), qweight, scales, zeros, group_size, bias,
+                             config)
     by_groups = isinstance(config, GroupGemvConfig)
     if by_groups and (config.block_k % group_size or not _is_power_of_two(group_size)
                       or not _is_power_of_two(config.block_k // group_size)):
@@ -240,18 +285,25 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     if m == 0:
         return out
     grid = (m, triton.cdiv(n, config.block_n))
-    common = (x, qweight, scales, zeros, bias if bias is not None else scales, out, n, words * PACK, x.stride(0),
-              qweight.stride(0), scales.stride(0), out.stride(0), FLOAT_2_23_BITS)
+    b = bias if bias is not None else scales
+    tail = (n, words * PACK, x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0), FLOAT_2_23_BITS)
     if by_groups:
         groups = config.block_k // group_size
-        _int4_group_gemv_kernel[grid](
-            *common, GROUP=group_size, BLOCK_N=config.block_n, GROUPS=groups, HAS_BIAS=bias is not None,
-            EVEN=n % config.block_n == 0 and (words * PACK // group_size) % groups == 0, num_warps=config.num_warps,
+        split = config.split_k
+        n_groups = words * PACK // group_size
+        if split > 1 and (n_groups % (groups * split) or m > SPLIT_ROWS):
+            raise ValueError(f"{n_groups} groups do not split {split} ways in steps of {groups}, or {m} > "
+                             f"{SPLIT_ROWS} rows")
+        ws, counters = _split_workspace(x.device, n) if split > 1 else (out, out)
+        _int4_group_gemv_kernel[grid + (split,)](
+            x, qweight, scales, zeros, b, out, ws, counters, *tail, GROUP=group_size, BLOCK_N=config.block_n,
+            GROUPS=groups, SPLIT=split, HAS_BIAS=bias is not None,
+            EVEN=n % config.block_n == 0 and n_groups % groups == 0, num_warps=config.num_warps,
         )
         return out
     block_w = config.block_k // PACK
     _int4_gemv_kernel[grid](
-        *common, GROUP=group_size, BLOCK_N=config.block_n, BLOCK_W=block_w, HAS_BIAS=bias is not None,
+        x, qweight, scales, zeros, b, out, *tail, GROUP=group_size, BLOCK_N=config.block_n, BLOCK_W=block_w, HAS_BIAS=bias is not None,
         EVEN=n % config.block_n == 0 and words % block_w == 0, num_warps=config.num_warps,
     )
     return out
@@ -264,6 +316,15 @@ def _dequantize_nibbles(half, k: tl.constexpr, s, zs, magic):
     With 16-bit scales every step is exact: the weight equals the reference's, bit for bit."""
     place = (half & (0xF << (4 * k))) | magic
     return (place.to(tl.float32, bitcast=True) - 8388608.0) * (s * (1.0 / (1 << (4 * k)))) - zs
+
+
+@triton.jit
+def _nibble_minus_zero(half, k: tl.constexpr, z, magic):
+    """Nibble ``k`` (0..3) of each int32 in ``half`` minus the zero point, ``q - z``, in one
+    multiply-add: the masked nibble read through 2^23's mantissa is ``2^23 + q * 16^k``, and
+    ``(2^23 + q 16^k) 16^-k - (2^23 16^-k + z)`` is exact (powers of two, integers below 2^24)."""
+    place = (half & (0xF << (4 * k))) | magic
+    return place.to(tl.float32, bitcast=True) * (1.0 / (1 << (4 * k))) - (8388608.0 / (1 << (4 * k)) + z)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -324,6 +385,142 @@ def _int4_gemm_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
+# The tensor-core GEMV: ``out^T [BLOCK_N, BLOCK_M] = W [BLOCK_N, K] @ x^T [K, BLOCK_M]``, the
+# weights as the dot's first operand (registers), the few input rows padded to BLOCK_M = 16 as
+# its second. A step (inside one group) turns a [BLOCK_N, BLOCK_K] tile of nibbles into the
+# integers q - z, exact in bf16/fp16 (|q - z| <= 15), in one multiply-add each, takes one dot
+# (exact products, fp32 sums) and scales its sums by the group's scale in fp32: no less exact
+# than the reference, which rounds each (q - z) * s to 16 bits first. With SPLIT > 1 the program runs K/SPLIT
+# of the inputs and adds its fp32 partial sums into ``ws_ptr`` (``[BLOCK_M, N]``, zero between
+# calls); the last program of a column tile (``cnt_ptr`` counts them) reads the sums back
+# through L2, zeroes them, writes the output and resets its counter, so the workspace is clean
+# for the next call (and the next CUDA-graph replay) without a memset.
+@triton.jit
+def _int4_tc_gemv_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    z_ptr,
+    b_ptr,
+    out_ptr,
+    ws_ptr,
+    cnt_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_qn,
+    stride_sn,
+    stride_om,
+    magic,
+    GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    SPLIT: tl.constexpr,
+    STAGES: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    BLOCK_W: tl.constexpr = BLOCK_K // 8
+    tile = tl.program_id(0)
+    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    m = tl.arange(0, BLOCK_M)
+    m_ok = m < M
+    cols64 = cols.to(tl.int64)
+    q_tile = q_ptr + cols64[:, None] * stride_qn + tl.arange(0, BLOCK_W)[None, :]  # [BLOCK_N, BLOCK_W]
+    s_cols = s_ptr + cols64 * stride_sn
+    z_cols = z_ptr + cols64 * stride_sn
+    x_tile = x_ptr + m.to(tl.int64)[None, :] * stride_xm + tl.arange(0, BLOCK_K)[:, None]  # x^T [BLOCK_K, BLOCK_M]
+    k_per_program = K // SPLIT  # a multiple of BLOCK_K (checked by the caller)
+    k_start = tl.program_id(1) * k_per_program
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for k0 in tl.range(k_start, k_start + k_per_program, BLOCK_K, num_stages=STAGES):
+        words = tl.load(q_tile + k0 // 8, mask=col_ok[:, None], other=0)
+        xt = tl.load(x_tile + k0, mask=m_ok[None, :], other=0.0)
+        g = k0 // GROUP
+        s = tl.load(s_cols + g, mask=col_ok, other=0.0).to(tl.float32)[:, None]
+        z = tl.load(z_cols + g, mask=col_ok, other=0.0).to(tl.float32)[:, None]
+        high = words >> 16
+        # Integer weights q - z (exact in 16 bits); the group's scale goes on the dot's sums.
+        w0 = _nibble_minus_zero(words, 0, z, magic).to(xt.dtype)
+        w1 = _nibble_minus_zero(words, 1, z, magic).to(xt.dtype)
+        w2 = _nibble_minus_zero(words, 2, z, magic).to(xt.dtype)
+        w3 = _nibble_minus_zero(words, 3, z, magic).to(xt.dtype)
+        w4 = _nibble_minus_zero(high, 0, z, magic).to(xt.dtype)
+        w5 = _nibble_minus_zero(high, 1, z, magic).to(xt.dtype)
+        w6 = _nibble_minus_zero(high, 2, z, magic).to(xt.dtype)
+        w7 = _nibble_minus_zero(high, 3, z, magic).to(xt.dtype)
+        w = tl.join(tl.join(tl.join(w0, w4), tl.join(w2, w6)), tl.join(tl.join(w1, w5), tl.join(w3, w7)))
+        acc += s * tl.dot(tl.reshape(w, (BLOCK_N, BLOCK_K)), xt)
+    ok = col_ok[:, None] & m_ok[None, :]
+    out = out_ptr + m.to(tl.int64)[None, :] * stride_om + cols64[:, None]
+    if SPLIT == 1:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[:, None]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=ok)
+    else:
+        ws = ws_ptr + m.to(tl.int64)[None, :] * N + cols64[:, None]
+        tl.atomic_add(ws, acc, mask=ok, sem="relaxed")
+        tl.debug_barrier()  # every thread's partial sums are issued before the count says so
+        done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+        if done == SPLIT - 1:  # the last program of this column tile
+            # Read through L2 (an atomic add of 0: no stale L1 line), then zero for the next call.
+            y = tl.atomic_add(ws, tl.zeros([BLOCK_N, BLOCK_M], tl.float32), mask=ok, sem="acquire")
+            tl.store(ws, tl.zeros([BLOCK_N, BLOCK_M], tl.float32), mask=ok)
+            if HAS_BIAS:
+                y += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[:, None]
+            tl.store(out, y.to(out_ptr.dtype.element_ty), mask=ok)
+            tl.store(cnt_ptr + tile, 0)
+
+
+TC_GEMV_ROWS = 16  # the tensor-core GEMV pads its input rows to one dot tile
+SPLIT_ROWS = TC_GEMV_ROWS  # the rows a split-K workspace holds
+_split_workspaces: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _split_workspace(device: torch.device, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The zeroed fp32 partial sums ``[SPLIT_ROWS, n]`` and the tile counters (as many) of the
+    split-K GEMVs on ``device``, one pair per output width, made on the first (eager) call and
+    kept clean by the kernels themselves. Calls that share them run one after the other on a stream."""
+    key = (device, n)
+    if key not in _split_workspaces:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            # A graph's own allocation is zeroed only when it replays: others would read garbage.
+            raise RuntimeError("a split-K INT4 GEMV ran first inside a CUDA-graph capture; run it once "
+                               "before (Int4LinearMethod.warm_up does)")
+        _split_workspaces[key] = (torch.zeros(SPLIT_ROWS * n, dtype=torch.float32, device=device),
+                                  torch.zeros(SPLIT_ROWS * n, dtype=torch.int32, device=device))
+    return _split_workspaces[key]
+
+
+def _int4_tc_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                  group_size: int, bias: torch.Tensor | None, config: TcGemvConfig) -> torch.Tensor:
+    n, words = qweight.shape
+    k = words * PACK
+    m = x.shape[0]
+    if m > TC_GEMV_ROWS:
+        raise ValueError(f"the tensor-core GEMV takes up to {TC_GEMV_ROWS} rows, not {m}")
+    if group_size % config.block_k or config.block_k % 16 or k % (config.block_k * config.split_k):
+        raise ValueError(f"block_k {config.block_k} × split {config.split_k} does not tile {k} inputs in "
+                         f"groups of {group_size}")
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    if config.split_k > 1:
+        ws, counters = _split_workspace(x.device, n)
+    else:
+        ws, counters = out, out  # unused
+    grid = (triton.cdiv(n, config.block_n), config.split_k)
+    _int4_tc_gemv_kernel[grid](
+        x, qweight, scales, zeros, bias if bias is not None else scales, out, ws, counters, m, n, k, x.stride(0),
+        qweight.stride(0), scales.stride(0), out.stride(0), FLOAT_2_23_BITS, GROUP=group_size,
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_M=TC_GEMV_ROWS, SPLIT=config.split_k,
+        STAGES=config.num_stages, HAS_BIAS=bias is not None, num_warps=config.num_warps,
+    )
+    return out
+
+
 # Rows at which each GEMM tile class starts (gemm_tiles); one input of each compiles them all.
 GEMM_TILE_ROWS = (1, 17, 257)
 
@@ -368,4 +565,4 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     return out
 
 
-__all__ = ["GEMM_TILE_ROWS", "INT4_GEMV_CONFIGS", "GroupGemvConfig", "gemm_tiles", "int4_gemm", "int4_gemv"]
+__all__ = ["GEMM_TILE_ROWS", "INT4_GEMV_CONFIGS", "GroupGemvConfig", "TcGemvConfig", "gemm_tiles", "int4_gemm", "int4_gemv"]
