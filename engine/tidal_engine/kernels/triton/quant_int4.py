@@ -3,14 +3,21 @@
 ``scales`` and ``zeros`` ``[N, K/g]`` in the run dtype, ``w[n, k] = (q - zeros[n, k/g]) * scales[n, k/g]``.
 
 - ``int4_gemv``: a few rows (decode), never building the dequantized tile: a word's 8 inputs
-  share one group, so ``sum_i (q_i - z) s x_i = s (sum_i q_i x_i - z sum_i x_i)``. Two kernels,
-  both candidates of the start-up choice (kernels/gemv_choice.py):
+  share one group, so ``sum_i (q_i - z) s x_i = s (sum_i q_i x_i - z sum_i x_i)``. Three kernels,
+  all candidates of the start-up choice (kernels/gemv_choice.py):
   - by groups (``GroupGemvConfig``): a ``[BLOCK_N, groups, words of a group]`` tile of words a
     step, loaded in 16-byte vectors; a thread holds several rows of the same few words, so one
     load of the activations and one of each row's scale and zero serve many weights, and each
     weight costs a mask-or, a subtraction and a multiply-add;
-  - by words (``GemvConfig``): ``BLOCK_K``-wide runs of words, scale and zero loaded per word.
-  Input rows are the fastest grid axis, so the programs of a few rows share the words in L2.
+  - by words (``GemvConfig``): ``BLOCK_K``-wide runs of words, scale and zero loaded per word;
+  - on tensor cores (``TcGemvConfig``): ``W @ x^T`` with the weights as the dot's first operand
+    and the few rows padded to 16, a group step's nibbles turned into the integers ``q - z``
+    (one multiply-add each) and its sums scaled once.
+  The by-groups and tensor-core kernels may split K over ``split_k`` programs, which add fp32
+  partial sums into a workspace the last of them reads, zeroes and writes out (no memset
+  between calls, so it works inside CUDA graphs).
+  Input rows are the fastest grid axis of the first two, so the programs of a few rows share
+  the words in L2.
 - ``int4_gemm``: more rows (prefill, decode batches). A ``[BLOCK_N, BLOCK_K/8]`` tile of words
   is loaded once, coalesced; each of its 8 nibbles is dequantized to the activations' dtype in
   registers, the 8 planes are interleaved back into input order (``tl.join``, reshape) and fed
