@@ -73,7 +73,16 @@ def bench_shape(n: int, k: int) -> dict[str, Any]:
                         + (f",split{split}" if split != 1 else "") + ")")
                 try:
                     torch.testing.assert_close(int4_gemv(x, *weights, GROUP, None, config).float(), expected, **tol)
-                except ValueError:
+                except ValueError:  # the tile does not fit this shape
+                    continue
+                except AssertionError as exc:  # a wrong kernel: recorded, not timed (the choice skips it too)
+                    row[f"wrong_r{rows}_{name}"] = str(exc)[:300]
+                    print(f"  {name} at {rows} rows: WRONG", flush=True)
+                    continue
+                except Exception as exc:  # e.g. out of resources on this GPU
+                    if "CUDA error" in str(exc):
+                        raise
+                    row[f"failed_r{rows}_{name}"] = f"{type(exc).__name__}: {str(exc)[:200]}"
                     continue
                 row[f"gemv_r{rows}_{name}_us"] = _safe_time(
                     lambda ws, c=config: int4_gemv(x, *ws, GROUP, None, c), int4_copies)
