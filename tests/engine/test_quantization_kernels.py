@@ -131,11 +131,10 @@ def test_int4_kernels_match_the_reference_for_both_layouts(fmt: str, group: int,
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
     got = int4_gemv(x, *weights, group, None, GroupGemvConfig(16, 4 * group, 1))
     torch.testing.assert_close(got, expected - b, rtol=1e-5, atol=1e-4)
-    # Split-K (fp32 partial sums in a shared workspace the last program empties), by groups and
-    # on tensor cores (a dot of the integers q - z, scaled per group after it); a split one
+    # On tensor cores (a dot of the integers q - z, scaled per group after it), whole and split
+    # over K (fp32 partial sums in a shared workspace the last program empties); the split one
     # twice, so the second call finds the workspace and counters the first one left clean.
-    for config in (GroupGemvConfig(16, group, 1, 2), TcGemvConfig(32, 64, 1, 1, 1), TcGemvConfig(32, 64, 1, 4, 2),
-                   TcGemvConfig(32, 64, 1, 4, 2)):
+    for config in (TcGemvConfig(32, 64, 1, 1, 1), TcGemvConfig(32, 64, 1, 4, 2), TcGemvConfig(32, 64, 1, 4, 2)):
         got = int4_gemv(x, *weights, group, b, config)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
     workspace, counters = _split_workspaces[(x.device, 40)]
@@ -174,8 +173,6 @@ def test_int4_kernels_refuse_what_they_cannot_read() -> None:
         int4_gemv(torch.randn(1, 128), *weights, 64, None, GemvConfig(8, 12, 2))
     with pytest.raises(ValueError, match="power-of-two number of groups"):
         int4_gemv(torch.randn(1, 128), *weights, 64, None, GroupGemvConfig(8, 192, 2))
-    with pytest.raises(ValueError, match="do not split"):  # 2 groups, steps of 1, 4 ways
-        int4_gemv(torch.randn(1, 128), *weights, 64, None, GroupGemvConfig(8, 64, 2, 4))
     with pytest.raises(ValueError, match="does not tile"):  # 128 inputs, steps of 64, 4 ways
         int4_gemv(torch.randn(1, 128), *weights, 64, None, TcGemvConfig(64, 64, 4, 4))
     with pytest.raises(ValueError, match="does not tile"):  # a step across two groups
@@ -290,9 +287,13 @@ def test_int4_kernels_match_gpu(fmt: str, group: int, symmetric: bool, shape: tu
         if rows <= GEMV_MAX_ROWS:
             # Every candidate at groups of 128 (the benchmark's); one of each kernel at 64 (compiling costs).
             configs = INT4_GEMV_CONFIGS if group == 128 else (GroupGemvConfig(8, 1024, 4), GemvConfig(8, 512, 4),
-                                                              GroupGemvConfig(16, 1024, 4, 2), TcGemvConfig(64, 64, 4, 4))
+                                                              TcGemvConfig(64, 64, 4, 4))
             for config in configs:
-                torch.testing.assert_close(int4_gemv(x, *weights, group, None, config).float(), expected, **tol)
+                try:
+                    got = int4_gemv(x, *weights, group, None, config)
+                except ValueError:  # the tile does not fit this shape (the choice skips it too)
+                    continue
+                torch.testing.assert_close(got.float(), expected, **tol)
 
 
 @pytest.mark.gpu
@@ -341,7 +342,7 @@ def test_split_k_gemvs_replay_in_a_cuda_graph() -> None:
     the eager results."""
     layers = [_int4_layer("gptq", 4096, 4096, 128, False, seed=seed, device="cuda", dtype=torch.bfloat16)[0]
               for seed in (0, 1)]
-    configs = (TcGemvConfig(64, 128, 4, 4), GroupGemvConfig(16, 1024, 4, 2), TcGemvConfig(128, 128, 8, 2))
+    configs = (TcGemvConfig(64, 128, 4, 4), TcGemvConfig(64, 64, 4, 4), TcGemvConfig(128, 128, 8, 2))
     for rows in (1, GEMV_MAX_ROWS):
         static = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
 

@@ -13,9 +13,9 @@
   - on tensor cores (``TcGemvConfig``): ``W @ x^T`` with the weights as the dot's first operand
     and the few rows padded to 16, a group step's nibbles turned into the integers ``q - z``
     (one multiply-add each) and its sums scaled once.
-  The by-groups and tensor-core kernels may split K over ``split_k`` programs, which add fp32
-  partial sums into a workspace the last of them reads, zeroes and writes out (no memset
-  between calls, so it works inside CUDA graphs).
+  The tensor-core kernel may split K over ``split_k`` programs, which add fp32 partial sums
+  into a workspace the last of them reads, zeroes and writes out (no memset between calls, so
+  it works inside CUDA graphs).
   Input rows are the fastest grid axis of the first two, so the programs of a few rows share
   the words in L2.
 - ``int4_gemm``: more rows (prefill, decode batches). A ``[BLOCK_N, BLOCK_K/8]`` tile of words
@@ -41,12 +41,9 @@ FLOAT_2_23_BITS = 0x4B000000  # float32 2^23: a small integer or-ed into its man
 
 @dataclass(frozen=True)
 class GroupGemvConfig(GemvConfig):
-    """A tile of the by-groups GEMV: ``block_n`` rows × ``block_k`` inputs (whole groups) a step,
-    the groups cut into ``split_k`` programs (partial sums added in fp32, as the tensor-core
-    GEMV does). Its ``block_k`` values (1024 and up) are not those of the by-words candidates (up
-    to 512), so a stored choice (block_n, block_k, num_warps, split_k) names one kernel."""
-
-    split_k: int = 1
+    """A tile of the by-groups GEMV: ``block_n`` rows × ``block_k`` inputs (whole groups) a step.
+    Its ``block_k`` values (1024 and up) are not those of the by-words candidates (up to 512), so a
+    choice stored as (block_n, block_k, num_warps) names one kernel."""
 
 
 @dataclass(frozen=True)
@@ -62,28 +59,20 @@ class TcGemvConfig(GemvConfig):
 
 # The candidates timed at start-up (kernels/gemv_choice.py); block_k counts weights (8 a word).
 INT4_GEMV_CONFIGS: tuple[GemvConfig, ...] = (
-    # By groups: the five best on the H200 (benchmarks/results/h200-2026-12-01c-int4), then
-    # split-K twins for the narrow shapes (4096 and 6144 rows fill the GPU only a program or two an SM).
+    # By groups: the five best at one row on the H200 (benchmarks/results/h200-2026-12-01c-int4);
+    # they win every 8B shape there.
     GroupGemvConfig(8, 2048, 2),
     GroupGemvConfig(16, 1024, 4),
     GroupGemvConfig(16, 2048, 4),
     GroupGemvConfig(16, 2048, 8),
     GroupGemvConfig(32, 2048, 8),
-    GroupGemvConfig(8, 2048, 2, 2),
-    GroupGemvConfig(16, 1024, 4, 2),
-    GroupGemvConfig(16, 1024, 4, 4),
-    GroupGemvConfig(16, 2048, 4, 2),
-    GroupGemvConfig(16, 2048, 4, 3),
     # By words: any group size.
     GemvConfig(4, 512, 4),
     GemvConfig(8, 512, 4),
-    # Tensor cores.
+    # Tensor cores: 2-4 rows cost what one row does (h200-2026-12-01e-int4: 24576 x 4096 at 4
+    # rows in 47 us against the GEMM's 53; 2.4-4.5x slower than by groups at one row).
     TcGemvConfig(64, 128, 4, 1),
-    TcGemvConfig(64, 128, 4, 2),
     TcGemvConfig(64, 128, 4, 4),
-    TcGemvConfig(64, 128, 4, 8),
-    TcGemvConfig(128, 128, 8, 2),
-    TcGemvConfig(128, 128, 8, 4),
     TcGemvConfig(64, 64, 4, 4),
 )
 
@@ -173,8 +162,6 @@ def _int4_group_gemv_kernel(
     z_ptr,
     b_ptr,
     out_ptr,
-    ws_ptr,
-    cnt_ptr,
     N,
     K,
     stride_xm,
@@ -185,7 +172,6 @@ def _int4_group_gemv_kernel(
     GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr,
     GROUPS: tl.constexpr,
-    SPLIT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     EVEN: tl.constexpr,
 ):
@@ -201,10 +187,8 @@ def _int4_group_gemv_kernel(
     z_tile = z_ptr + rows64[:, None] * stride_sn + g[None, :]
     x_tile = x_ptr + m.to(tl.int64) * stride_xm + g[:, None] * GROUP + t[None, :] * 8
     n_groups = K // GROUP
-    per_program = n_groups // SPLIT  # SPLIT > 1: a multiple of GROUPS (checked by the caller)
-    g_start = tl.program_id(2) * per_program
     acc = tl.zeros([BLOCK_N, GROUPS], tl.float32)
-    for g0 in range(g_start, g_start + per_program, GROUPS):
+    for g0 in range(0, n_groups, GROUPS):
         if EVEN:  # no masks: N and the groups are multiples of the tile
             words = tl.load(q_tile + g0 * GW)
             s = tl.load(s_tile + g0).to(tl.float32)
@@ -230,23 +214,9 @@ def _int4_group_gemv_kernel(
             dot += weight * (x_i * (1.0 / (1 << (4 * (i % 4)))))[None, :, :]
         acc += s * (tl.sum(dot, axis=2) - z * tl.sum(x_sum, axis=1)[None, :])
     y = tl.sum(acc, axis=1)
-    out = out_ptr + m.to(tl.int64) * stride_om + rows
-    if SPLIT == 1:
-        if HAS_BIAS:
-            y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-        tl.store(out, y.to(out_ptr.dtype.element_ty), mask=row_ok)
-    else:  # as the tensor-core GEMV's split (below); a counter per (input row, row tile)
-        ws = ws_ptr + m.to(tl.int64) * N + rows
-        tl.atomic_add(ws, y, mask=row_ok, sem="relaxed")
-        tl.debug_barrier()
-        counter = cnt_ptr + m * tl.num_programs(1) + tl.program_id(1)
-        if tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT - 1:
-            y = tl.atomic_add(ws, tl.zeros([BLOCK_N], tl.float32), mask=row_ok, sem="acquire")
-            tl.store(ws, tl.zeros([BLOCK_N], tl.float32), mask=row_ok)
-            if HAS_BIAS:
-                y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-            tl.store(out, y.to(out_ptr.dtype.element_ty), mask=row_ok)
-            tl.store(counter, 0)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + m.to(tl.int64) * stride_om + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
 def _check(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> None:
@@ -292,25 +262,18 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     if m == 0:
         return out
     grid = (m, triton.cdiv(n, config.block_n))
-    b = bias if bias is not None else scales
-    tail = (n, words * PACK, x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0), FLOAT_2_23_BITS)
+    common = (x, qweight, scales, zeros, bias if bias is not None else scales, out, n, words * PACK, x.stride(0),
+              qweight.stride(0), scales.stride(0), out.stride(0), FLOAT_2_23_BITS)
     if by_groups:
         groups = config.block_k // group_size
-        split = config.split_k
-        n_groups = words * PACK // group_size
-        if split > 1 and (n_groups % (groups * split) or m > SPLIT_ROWS):
-            raise ValueError(f"{n_groups} groups do not split {split} ways in steps of {groups}, or {m} > "
-                             f"{SPLIT_ROWS} rows")
-        ws, counters = _split_workspace(x.device, n) if split > 1 else (out, out)
-        _int4_group_gemv_kernel[grid + (split,)](
-            x, qweight, scales, zeros, b, out, ws, counters, *tail, GROUP=group_size, BLOCK_N=config.block_n,
-            GROUPS=groups, SPLIT=split, HAS_BIAS=bias is not None,
-            EVEN=n % config.block_n == 0 and n_groups % groups == 0, num_warps=config.num_warps,
+        _int4_group_gemv_kernel[grid](
+            *common, GROUP=group_size, BLOCK_N=config.block_n, GROUPS=groups, HAS_BIAS=bias is not None,
+            EVEN=n % config.block_n == 0 and (words * PACK // group_size) % groups == 0, num_warps=config.num_warps,
         )
         return out
     block_w = config.block_k // PACK
     _int4_gemv_kernel[grid](
-        x, qweight, scales, zeros, b, out, *tail, GROUP=group_size, BLOCK_N=config.block_n, BLOCK_W=block_w, HAS_BIAS=bias is not None,
+        *common, GROUP=group_size, BLOCK_N=config.block_n, BLOCK_W=block_w, HAS_BIAS=bias is not None,
         EVEN=n % config.block_n == 0 and words % block_w == 0, num_warps=config.num_warps,
     )
     return out
@@ -482,22 +445,21 @@ def _int4_tc_gemv_kernel(
 
 
 TC_GEMV_ROWS = 16  # the tensor-core GEMV pads its input rows to one dot tile
-SPLIT_ROWS = TC_GEMV_ROWS  # the rows a split-K workspace holds
 _split_workspaces: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def _split_workspace(device: torch.device, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The zeroed fp32 partial sums ``[SPLIT_ROWS, n]`` and the tile counters (as many) of the
-    split-K GEMVs on ``device``, one pair per output width, made on the first (eager) call and
-    kept clean by the kernels themselves. Calls that share them run one after the other on a stream."""
+    """The zeroed fp32 partial sums ``[TC_GEMV_ROWS, n]`` and the column-tile counters of the
+    split-K GEMV on ``device``, one pair per output width, made on the first (eager) call and
+    kept clean by the kernel itself. Calls that share them run one after the other on a stream."""
     key = (device, n)
     if key not in _split_workspaces:
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             # A graph's own allocation is zeroed only when it replays: others would read garbage.
             raise RuntimeError("a split-K INT4 GEMV ran first inside a CUDA-graph capture; run it once "
                                "before (Int4LinearMethod.warm_up does)")
-        _split_workspaces[key] = (torch.zeros(SPLIT_ROWS * n, dtype=torch.float32, device=device),
-                                  torch.zeros(SPLIT_ROWS * n, dtype=torch.int32, device=device))
+        _split_workspaces[key] = (torch.zeros(TC_GEMV_ROWS * n, dtype=torch.float32, device=device),
+                                  torch.zeros(n, dtype=torch.int32, device=device))
     return _split_workspaces[key]
 
 
