@@ -70,7 +70,7 @@ INT4_GEMV_CONFIGS: tuple[GemvConfig, ...] = (
     GemvConfig(4, 512, 4),
     GemvConfig(8, 512, 4),
     # Tensor cores: 2-4 rows cost what one row does (h200-2026-12-01e-int4: 24576 x 4096 at 4
-    # rows in 47 us against the GEMM's 53; 2.4-4.5x slower than by groups at one row).
+    # rows in 47 us against the GEMM's 53; 1.3-2.5x slower than by groups at one row).
     TcGemvConfig(64, 128, 4, 1),
     TcGemvConfig(64, 128, 4, 4),
     TcGemvConfig(64, 64, 4, 4),
