@@ -331,10 +331,12 @@ def choices_file(cache_dir: Path) -> Path:
     from tidal_engine.kernels.compile_cache import gemv_cache_key
     from tidal_engine.kernels.triton.gemv import GEMV_CONFIGS
     from tidal_engine.kernels.triton.quant_fp8 import FP8_GEMV_CONFIGS
+    from tidal_engine.kernels.triton.quant_int4 import INT4_GEMV_CONFIGS
 
-    # A new FP8 candidate must be timed, not lost behind a stored choice that is still a candidate.
+    # A new FP8 or INT4 candidate must be timed, not lost behind a stored choice that is still a candidate.
     versions = {"torch": torch.__version__, "triton": triton.__version__, "candidates": repr(GEMV_CONFIGS),
-                "fp8_candidates": repr(FP8_GEMV_CONFIGS), "cuda": str(torch.version.cuda)}
+                "fp8_candidates": repr(FP8_GEMV_CONFIGS), "int4_candidates": repr(INT4_GEMV_CONFIGS),
+                "cuda": str(torch.version.cuda)}
     return cache_dir / "gemv" / f"{gemv_cache_key(torch.cuda.get_device_name(), versions)}.json"
 
 
