@@ -72,6 +72,34 @@ def test_paged_attention_reads_fp8_cache(
     assert_close(actual, expected, dtype)
 
 
+DECODE_BATCH = ([1, 1, 1], [5, 17, 40], 1)
+MIXED_SPLIT_BATCH = ([1, 19, 1], [33, 37, 16], 3)
+
+
+@_cpu
+@pytest.mark.parametrize(
+    ("dtype", "prefetch", "offsets_i32", "batch"),
+    [(torch.float32, True, True, DECODE_BATCH), (torch.float16, True, True, MIXED_SPLIT_BATCH),
+     (torch.float16, True, False, MIXED_SPLIT_BATCH), (torch.float32, False, False, MIXED_SPLIT_BATCH)],
+    ids=["fp32-prefetch-i32-decode", "fp16-prefetch-i32-mixed", "fp16-prefetch-i64-mixed", "fp32-i64-mixed"],
+)
+def test_paged_attention_fp8_key_loops(
+    dtype: torch.dtype, prefetch: bool, offsets_i32: bool, batch: tuple[list[int], list[int], int]
+) -> None:
+    """The register-prefetched key loop and the 64-bit address arithmetic (the default launch,
+    above, takes the plain loop with 32-bit offsets on these small caches) over an fp8 cache."""
+    q_lens, seq_lens, num_splits = batch
+    b = make_batch(q_lens, seq_lens, 8, 2, 32, 16, dtype, "cpu", seed=7)
+    cache = fp8_cache(tuple(b.kv_cache.shape), 8, "cpu")
+    expected = TorchAttentionBackend().forward(b.query, cache, b.meta, 0.2, K_SCALE, V_SCALE)
+    actual = paged_attention(
+        b.query, cache, b.meta.block_tables, b.meta.seq_lens, b.meta.query_start_loc, 0.2, b.meta.max_query_len,
+        block_n=16, num_splits=num_splits, k_scale=K_SCALE, v_scale=V_SCALE, prefetch=prefetch,
+        offsets_i32=offsets_i32,
+    )
+    assert_close(actual, expected, dtype)
+
+
 @_cpu
 def test_fp8_cache_query_past_fp16_range_saturates() -> None:
     """A bf16 query beyond fp16's range (the fp8 path's dots run in fp16) is clamped, not
@@ -204,14 +232,20 @@ def test_paged_attention_fp8_realistic_gpu() -> None:
 
 @pytest.mark.gpu
 @_needs_cuda
-@pytest.mark.parametrize("block_n", [None, 64, 256])
-def test_paged_attention_fp8_decode_tiles_gpu(block_n: int | None) -> None:
+@pytest.mark.parametrize(("block_n", "num_warps", "prefetch", "offsets_i32"),
+                         [(None, None, False, None), (64, None, False, None), (256, None, False, None),
+                          (128, None, False, False), (64, 4, True, None), (128, 8, True, None),
+                          (128, 4, True, False)])
+def test_paged_attention_fp8_decode_tiles_gpu(block_n: int | None, num_warps: int | None, prefetch: bool,
+                                              offsets_i32: bool | None) -> None:
     """The decode launch at the 8B shape with one split (the engine's pick at batch 64: 128-key
-    tiles by default) and the other key tiles the benchmark sweeps."""
+    tiles by default) and the other launches the benchmark sweeps: key tiles, the register-
+    prefetched loop, 64-bit address arithmetic."""
     seq_lens = [1 + 523 * i for i in range(1, 17)]
     b = make_batch([1] * 16, seq_lens, 32, 8, 128, 16, torch.bfloat16, "cuda", seed=21)
     cache = fp8_cache(tuple(b.kv_cache.shape), 22, "cuda")
     expected = TorchAttentionBackend().forward(b.query, cache, b.meta, 128**-0.5, 0.8, 1.5)
     actual = paged_attention(b.query, cache, b.meta.block_tables, b.meta.seq_lens, b.meta.query_start_loc,
-                             128**-0.5, 1, block_n=block_n, num_splits=1, k_scale=0.8, v_scale=1.5)
+                             128**-0.5, 1, block_n=block_n, num_splits=1, k_scale=0.8, v_scale=1.5,
+                             num_warps=num_warps, prefetch=prefetch, offsets_i32=offsets_i32)
     assert_close(actual, expected, torch.bfloat16)

@@ -21,6 +21,7 @@ pytest.importorskip("triton")
 from tidal_engine.kernels.triton import paged_attention as pa  # noqa: E402
 from tidal_engine.kernels.triton.paged_attention import (  # noqa: E402
     MAX_SPLITS,
+    cache_offsets_fit_i32,
     choose_num_splits,
     combine_splits,
     paged_attention,
@@ -263,6 +264,31 @@ def test_split_never_reads_outside_the_context(num_splits: int) -> None:
 
 
 @cpu_only
+@pytest.mark.parametrize(("dtype", "offsets_i32", "num_splits"),
+                         [(torch.float32, True, 3), (torch.float16, True, 1), (torch.float32, False, 1)],
+                         ids=["fp32-i32-split3", "fp16-i32", "fp32-i64"])
+def test_prefetched_key_loop(num_splits: int, offsets_i32: bool, dtype: torch.dtype) -> None:
+    # The register-prefetched loop loads each next tile (and the block ids after it) an
+    # iteration early, masked: NaN in every unused slot shows it never reads past a context or
+    # its split; decodes, a chunk over a cached prefix, a prompt from scratch, empty sequence
+    # slots and padding rows as in a mixed graph.
+    b = make_batch([1, 19, 0, 40, 1], [33, 37, 0, 40, 70], 4, 2, 64, 16, dtype, seed=8, pad_tokens=3,
+                   poison_unused=True)
+    out = check(b, 0.125, dtype, num_splits=num_splits, block_n=16, prefetch=True, offsets_i32=offsets_i32)
+    assert bool(torch.isfinite(out[: b.num_real_tokens]).all())
+
+
+def test_cache_offsets_fit_i32() -> None:
+    assert cache_offsets_fit_i32(torch.empty(2, 100, 16, 8, 128, device="meta"))
+    # One half of the cache: 2**31 elements exactly is one past the last int32 offset.
+    assert not cache_offsets_fit_i32(torch.empty(2, 2**31 // (16 * 8 * 128), 16, 8, 128, device="meta"))
+    assert cache_offsets_fit_i32(torch.empty(2, 2**31 // (16 * 8 * 128) - 1, 16, 8, 128, device="meta"))
+    # Strides count, not sizes: a narrow view of a wide cache.
+    wide = torch.empty(2, 2**21, 16, 8, 128, device="meta")
+    assert not cache_offsets_fit_i32(wide[:, :, :, :1])
+
+
+@cpu_only
 def test_split_sharp_softmax_is_stable() -> None:
     # Scores in the hundreds (log2 units): the combine must subtract the max lse.
     b = make_batch([1, 1, 7], [20, 90, 70], 4, 2, 64, 16, torch.float32, seed=6)
@@ -343,6 +369,19 @@ def test_split_decode_gpu(num_heads: int, num_kv_heads: int, batch: int, num_spl
     seq_lens = _contexts(batch)
     b = make_batch([1] * batch, seq_lens, num_heads, num_kv_heads, 128, 16, dtype, "cuda", seed=batch)
     check(b, 128**-0.5, dtype, num_splits=num_splits)
+
+
+@pytest.mark.parametrize(("block_n", "num_warps", "num_stages", "prefetch", "offsets_i32"),
+                         [(None, None, None, False, False), (64, 4, 2, False, None), (32, 4, 3, False, None),
+                          (128, 8, None, False, None), (64, 4, None, True, None), (32, 4, None, True, None),
+                          (128, 8, None, True, None), (64, 4, None, True, False)])
+@gpu_only
+def test_decode_launches_gpu(block_n: int | None, num_warps: int | None, num_stages: int | None, prefetch: bool,
+                             offsets_i32: bool | None) -> None:
+    # The bf16 decode launches the benchmark sweeps, at the 8B shape: 64 contexts of 1..4096 keys.
+    b = make_batch([1] * 64, _contexts(64), 32, 8, 128, 16, torch.bfloat16, "cuda", seed=9)
+    check(b, 128**-0.5, torch.bfloat16, num_splits=1, block_n=block_n, num_warps=num_warps,
+          num_stages=num_stages, prefetch=prefetch, offsets_i32=offsets_i32)
 
 
 @pytest.mark.parametrize("num_splits", [None, 1, 3, 16])

@@ -75,12 +75,61 @@ _FP16_MAX = tl.constexpr(65504.0)
 MAX_SPLITS = 32
 # Fewest keys worth a split of their own, when a max_seq_len hint is given.
 _MIN_KEYS_PER_SPLIT = 64
-# Fewest KV splits of a one-query decode over an fp8 cache. One split per (sequence, KV head)
-# leaves a large batch at a fraction of a wave past whole ones (64 x 8 programs at 3 per SM of
-# 132 SMs: 1.3 waves), and the second, mostly idle wave costs as much as a full one: on the
-# H200 the bf16 kernel read 64 x 8k contexts at 4.27 TB/s in 2 splits against 3.59 in 1
-# (benchmarks/results/h200-2026-12-01-kvfp8). The extra combine is a few us per layer.
-_FP8_DECODE_MIN_SPLITS = 2
+# Register cap of a one-query decode over an fp8 cache (64-key tiles): 128 per thread leaves 4
+# programs of 4 warps per SM (sm_90: 135 uncapped, no spills at 128), so a batch of 64 x 8 KV
+# heads runs in one wave of 132 SMs. On the H200 one split of 64-key tiles read 64 x 8k contexts
+# fastest of the sweep (443 us per layer against 464 for two splits of 128 keys,
+# benchmarks/results/h200-2026-12-01c-fp8).
+_FP8_DECODE_MAXNREG = 128
+
+
+@triton.jit
+def _block_ids(bt_row, k_pos, valid, BLOCK_SIZE: tl.constexpr, OFFS_I32: tl.constexpr):
+    """Cache block of each key position (0 where not ``valid``). Positions are never negative:
+    unsigned, ``//`` and ``%`` by a power-of-two block size are one shift or mask each."""
+    block_id = tl.load(bt_row + k_pos.to(tl.uint32) // BLOCK_SIZE, mask=valid, other=0)
+    if OFFS_I32:
+        return block_id.to(tl.int32)
+    else:
+        return block_id.to(tl.int64)
+
+
+@triton.jit
+def _slot_offsets(block_id, k_pos, stride_cb, stride_cs, kv_head_off, BLOCK_SIZE: tl.constexpr,
+                  OFFS_I32: tl.constexpr):
+    """Element offset of each key's head vector in one half (K or V) of the cache."""
+    slot = k_pos.to(tl.uint32) % BLOCK_SIZE
+    if OFFS_I32:
+        return block_id * stride_cb + slot.to(tl.int32) * stride_cs + kv_head_off
+    else:
+        return block_id * stride_cb + slot.to(tl.int64) * stride_cs + kv_head_off
+
+
+@triton.jit
+def _attend_tile(q, k_t, v, k_pos, kv_stop, row_pos, m_i, l_i, acc, scale_log2, DOT_PRECISION: tl.constexpr,
+                 KV_FP8: tl.constexpr):
+    """One key tile of the online softmax: ``k_t [D, BLOCK_N]`` and ``v [BLOCK_N, D]`` (cache dtype)
+    at positions ``k_pos``; keys at or past ``kv_stop`` or after a row's position are masked."""
+    k_valid = k_pos < kv_stop
+    if KV_FP8:
+        k_t = k_t.to(q.dtype)
+    s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * scale_log2
+    visible = (k_pos[None, :] <= row_pos[:, None]) & k_valid[None, :]
+    s = tl.where(visible, s, float("-inf"))
+
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if KV_FP8:
+        # Widened before V is staged in shared memory for the dot: the product with a per-key
+        # tensor (0 for keys past the end, whose loads are 0 anyway) keeps Triton from moving
+        # the widening after the staging, where the dot would gather V's key-strided bytes
+        # with one shared load per byte (sm_90 SASS: 128 LDS.U8 per thread and 128-key tile);
+        # staged as 16-bit, V is read by transposing ldmatrix, as a bf16 cache is.
+        v = v.to(q.dtype) * k_valid[:, None].to(q.dtype)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
 
 
 # The batch size, the block-table width, the token count and the split count change from
@@ -123,6 +172,8 @@ def _paged_attention_kernel(
     KV_FP8: tl.constexpr,  # the cache is fp8: widen K/V tiles, scale the output by v_scale
     FP8_DOT_F16: tl.constexpr,  # KV_FP8 with a 16-bit query: both dots run in fp16 (see the docstring)
     DECODE: tl.constexpr,  # every query length is <= BLOCK_Q: program i is sequence i's (only) tile
+    PREFETCH: tl.constexpr,  # register double-buffered K/V loads (see the loop)
+    OFFS_I32: tl.constexpr,  # every element offset of the cache fits int32: 32-bit address math
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -197,38 +248,57 @@ def _paged_attention_kernel(
 
     offs_n = tl.arange(0, BLOCK_N)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    kv_head_off = kv_head.to(tl.int64) * stride_ch
-    for start_n in range(kv_start, kv_stop, BLOCK_N):
-        k_pos = start_n + offs_n
+    if OFFS_I32:
+        kv_head_off = kv_head * stride_ch
+    else:
+        kv_head_off = kv_head.to(tl.int64) * stride_ch
+    if PREFETCH:
+        # Register double-buffering: tile i+1's K/V loads are issued before tile i is computed and
+        # its block ids one tile earlier still, so a program always has a tile of bytes in flight
+        # and never waits on the block table. (Triton's own pipeliner gives this loop one shared-
+        # memory buffer per operand and waits for every copy at the top of each iteration, after a
+        # block-table load: the load latency is paid once per tile, which a short context, or an
+        # fp8 tile of half the bytes, cannot amortise.) Loads of keys past kv_stop are masked off.
+        k_pos = kv_start + offs_n
         k_valid = k_pos < kv_stop
-        # Per-key gather through the block table: any block size works with any BLOCK_N.
-        block_id = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=k_valid, other=0).to(tl.int64)
-        slot_off = block_id * stride_cb + (k_pos % BLOCK_SIZE).to(tl.int64) * stride_cs + kv_head_off
-        k_t = tl.load(
-            k_cache_ptr + slot_off[None, :] + d[:, None], mask=k_valid[None, :] & d_valid[:, None], other=0.0
-        )  # [D, BLOCK_N]
-        if KV_FP8:
-            k_t = k_t.to(q.dtype)
-        s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * scale_log2
-        visible = (k_pos[None, :] <= row_pos[:, None]) & k_valid[None, :]
-        s = tl.where(visible, s, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(
-            v_cache_ptr + slot_off[:, None] + d[None, :], mask=k_valid[:, None] & d_valid[None, :], other=0.0
-        )  # [BLOCK_N, D]
-        if KV_FP8:
-            # Widened before V is staged in shared memory for the dot: the product with a per-key
-            # tensor (0 for keys past the end, whose loads are 0 anyway) keeps Triton from moving
-            # the widening after the staging, where the dot would gather V's key-strided bytes
-            # with one shared load per byte (sm_90 SASS: 128 LDS.U8 per thread and 128-key tile);
-            # staged as 16-bit, V is read by transposing ldmatrix, as a bf16 cache is.
-            v = v.to(q.dtype) * k_valid[:, None].to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        block_id = _block_ids(bt_row, k_pos, k_valid, BLOCK_SIZE, OFFS_I32)
+        slot_off = _slot_offsets(block_id, k_pos, stride_cb, stride_cs, kv_head_off, BLOCK_SIZE, OFFS_I32)
+        k_next = tl.load(k_cache_ptr + slot_off[None, :] + d[:, None], mask=k_valid[None, :] & d_valid[:, None],
+                         other=0.0)
+        v_next = tl.load(v_cache_ptr + slot_off[:, None] + d[None, :], mask=k_valid[:, None] & d_valid[None, :],
+                         other=0.0)
+        k_pos = k_pos + BLOCK_N
+        block_id = _block_ids(bt_row, k_pos, k_pos < kv_stop, BLOCK_SIZE, OFFS_I32)
+        for start_n in range(kv_start, kv_stop, BLOCK_N):
+            k_t = k_next
+            v = v_next
+            # Issue the next tile (block ids loaded an iteration ago), then the ids after it.
+            n_pos = start_n + BLOCK_N + offs_n
+            n_valid = n_pos < kv_stop
+            slot_off = _slot_offsets(block_id, n_pos, stride_cb, stride_cs, kv_head_off, BLOCK_SIZE, OFFS_I32)
+            k_next = tl.load(k_cache_ptr + slot_off[None, :] + d[:, None],
+                             mask=n_valid[None, :] & d_valid[:, None], other=0.0)
+            v_next = tl.load(v_cache_ptr + slot_off[:, None] + d[None, :],
+                             mask=n_valid[:, None] & d_valid[None, :], other=0.0)
+            n_pos = n_pos + BLOCK_N
+            block_id = _block_ids(bt_row, n_pos, n_pos < kv_stop, BLOCK_SIZE, OFFS_I32)
+            m_i, l_i, acc = _attend_tile(q, k_t, v, start_n + offs_n, kv_stop, row_pos, m_i, l_i, acc, scale_log2,
+                                         DOT_PRECISION, KV_FP8)
+    else:
+        for start_n in range(kv_start, kv_stop, BLOCK_N):
+            k_pos = start_n + offs_n
+            k_valid = k_pos < kv_stop
+            # Per-key gather through the block table: any block size works with any BLOCK_N.
+            block_id = _block_ids(bt_row, k_pos, k_valid, BLOCK_SIZE, OFFS_I32)
+            slot_off = _slot_offsets(block_id, k_pos, stride_cb, stride_cs, kv_head_off, BLOCK_SIZE, OFFS_I32)
+            k_t = tl.load(
+                k_cache_ptr + slot_off[None, :] + d[:, None], mask=k_valid[None, :] & d_valid[:, None], other=0.0
+            )  # [D, BLOCK_N]
+            v = tl.load(
+                v_cache_ptr + slot_off[:, None] + d[None, :], mask=k_valid[:, None] & d_valid[None, :], other=0.0
+            )  # [BLOCK_N, D]
+            m_i, l_i, acc = _attend_tile(q, k_t, v, k_pos, kv_stop, row_pos, m_i, l_i, acc, scale_log2,
+                                         DOT_PRECISION, KV_FP8)
 
     seen = l_i > 0.0  # False only for rows that saw no key (possible only in a split)
     acc = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -287,6 +357,15 @@ def _combine_splits_kernel(
     acc = tl.sum(part * weight[:, :, None], axis=0) / tl.where(total > 0.0, total, 1.0)[:, None]
     o_off = tok.to(tl.int64) * stride_ot + h[:, None] * stride_oh + d[None, :]
     tl.store(out_ptr + o_off, acc.to(out_ptr.dtype.element_ty), mask=(h < num_heads)[:, None] & (d < HEAD_DIM)[None, :])
+
+
+def cache_offsets_fit_i32(kv_cache: torch.Tensor) -> bool:
+    """Whether every element offset within one half (K or V) of ``kv_cache`` fits int32, so the
+    kernel's per-key address arithmetic can stay 32-bit (on sm_90 the 64-bit form was about half
+    the bf16 loop's instructions: 1,020 -> 559 per 128-key tile)."""
+    half = kv_cache[0]
+    last = sum((size - 1) * stride for size, stride in zip(half.shape, half.stride()) if size > 0)
+    return last < 2**31 - 1
 
 
 def choose_tiles(max_query_len: int, group: int, head_dim: int) -> tuple[int, int]:
@@ -403,6 +482,9 @@ def paged_attention(
     v_scale: float = 1.0,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    prefetch: bool = False,
+    offsets_i32: bool | None = None,
+    maxnreg: int | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of ``query [T, H, D]`` over ``kv_cache [2, blocks, block_size, Hkv, D]``.
 
@@ -418,7 +500,10 @@ def paged_attention(
     (``choose_num_splits``), never from tensor values, so it is safe under graph capture.
     ``kv_cache`` is in query's dtype, or fp8 e4m3fn holding ``k / k_scale`` and ``v / v_scale``
     (the scales are ignored for any other cache dtype). ``num_warps`` / ``num_stages`` override
-    the launch's (tuning sweeps).
+    the launch's (tuning sweeps). ``prefetch`` takes the register double-buffered key loop (tuning
+    sweeps; no launch takes it by default). ``offsets_i32`` forces the address arithmetic's
+    width (None: 32-bit when every element offset of the cache fits, see ``cache_offsets_fit_i32``).
+    ``maxnreg`` caps the registers per thread (more programs per SM; tuning sweeps).
     """
     if query.dim() != 3:
         raise ValueError(f"query must be [num_tokens, num_heads, head_dim], got shape {tuple(query.shape)}")
@@ -474,19 +559,26 @@ def paged_attention(
         num_splits = choose_num_splits(
             num_seqs, num_kv_heads, max_query_len, _num_sms(query.device), num_tokens=num_tokens, block_q=block_q
         )
-        if kv_fp8 and one_query_decode:
-            num_splits = max(num_splits, _FP8_DECODE_MIN_SPLITS)
     elif not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
     # Every query fits one tile: one program per sequence (a plain or a multi-query decode).
     decode = max(1, max_query_len) <= block_q
-    if one_query_decode and (num_splits == 1 or kv_fp8):
+    if one_query_decode and kv_fp8 and block_n is None:
+        # 64-key tiles (half a bf16 tile's bytes) in two stages, capped at 4 programs per SM.
+        block_n = 64
+        num_stages = num_stages or 2
+        maxnreg = maxnreg or (_FP8_DECODE_MAXNREG if query.device.type == "cuda" else None)
+    elif one_query_decode and (num_splits == 1 or kv_fp8):
         # A large decode batch: 128-key tiles in two stages (on an H200, 256 rows x 320 keys of
-        # the 8B shape: 116 us per layer against 140 with 64 keys in three stages; an fp8 tile
-        # of 128 keys is the bytes of a 64-key bf16 one).
+        # the 8B shape: 116 us per layer against 140 with 64 keys in three stages).
         block_n = block_n or 128
         num_stages = num_stages or 2
     block_n = block_n or default_n
+
+    if offsets_i32 is None:
+        offsets_i32 = cache_offsets_fit_i32(kv_cache)
+    elif offsets_i32 and not cache_offsets_fit_i32(kv_cache):
+        raise ValueError("offsets_i32=True, but the cache's element offsets do not fit int32")
 
     split = num_splits > 1
     if split:
@@ -536,12 +628,15 @@ def paged_attention(
         KV_FP8=kv_fp8,
         FP8_DOT_F16=kv_fp8 and query.dtype != torch.float32,
         DECODE=decode,
+        PREFETCH=prefetch,
+        OFFS_I32=offsets_i32,
         num_warps=num_warps or (4 if block_m * max(16, next_power_of_2(head_dim)) <= 64 * 128 else 8),
         **({"num_stages": num_stages} if num_stages else {}),
+        **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     if split:
         combine_splits(partial_out, partial_lse, query_start_loc, out)
     return out
 
 
-__all__ = ["MAX_SPLITS", "choose_num_splits", "choose_tiles", "combine_splits", "paged_attention"]
+__all__ = ["MAX_SPLITS", "cache_offsets_fit_i32", "choose_num_splits", "choose_tiles", "combine_splits", "paged_attention"]
