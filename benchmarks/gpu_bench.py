@@ -33,7 +33,9 @@ dummy, no tokenizer, nothing written to disk but config.json):
                      random values through a shuffled block table; the KV blocks the same
                      gpu_memory_utilization budget holds; and (attention_sweep, --skip takes it)
                      the paged-attention kernel alone on layer 0's cache: the engine's launch,
-                     then KV split counts 1/2/4 and key tiles 64/128/256.
+                     then the launches of ATTENTION_SETTINGS (KV splits, key tiles, warps, stages,
+                     the register-prefetched loop, 64-bit offsets); and (attention_sweep_short)
+                     the same at issue 13's decode shape, 256 sequences x 320 keys.
 Benchmarks (suite quant: weight quantization, issue 15; --load-format dummy, random weights through
 Tidal's quantizer, nothing on disk but config.json): quant_<format> for each of --quantization
 (default none,fp8; awq/gptq: asymmetric g128 through a config.json that names the format): single_stream
@@ -671,6 +673,14 @@ def bench_long_decode(runner: Any, shape: str, batch: int, context: int, reps: i
     }
     if "attention_sweep" not in SKIP:
         result["attention_sweep"] = sweep_attention(runner, graphs.block_tables[:batch], batch, context)
+    if "attention_sweep_short" not in SKIP:
+        # Issue 13's decode shape: 256 sequences of ~320 keys (the 8B 256 x (256 -> 128) run's
+        # mid-point), on blocks of the same filled cache.
+        short_batch, short_context = 256, 320
+        short_blocks = -(-short_context // runner.config.block_size)
+        if short_batch * short_blocks <= need:
+            table = order[: short_batch * short_blocks].view(short_batch, short_blocks).to(torch.int32)
+            result["attention_sweep_short"] = sweep_attention(runner, table, short_batch, short_context)
     return result
 
 
@@ -690,12 +700,34 @@ def gpu_ms(fn: Callable[[], Any], reps: int = 10, warmup: int = 2) -> float:
     return statistics.median(a.elapsed_time(e) for a, e in events)
 
 
+# The launches attention_sweep times after the engine's own (paged_attention's overrides): KV
+# splits, key tiles, warps, pipeline stages and register caps (maxnreg) of the plain key loop, the
+# register-prefetched loop, and the two launches before 32-bit offsets (offsets_i32=False): bf16's
+# (1 split of 128-key tiles at these batches) and fp8's (2 splits of 128-key tiles).
+ATTENTION_SETTINGS: dict[str, dict[str, Any]] = {
+    "block_n128_i64": {"block_n": 128, "offsets_i32": False},
+    "splits2_block_n128_i64": {"num_splits": 2, "block_n": 128, "offsets_i32": False},
+    **{f"splits{n}_block_n{bn}": {"num_splits": n, "block_n": bn} for n in (1, 2) for bn in (64, 128)},
+    "splits4_block_n128": {"num_splits": 4, "block_n": 128},
+    "splits1_block_n64_r128": {"num_splits": 1, "block_n": 64, "maxnreg": 128},
+    "splits1_block_n128_r128": {"num_splits": 1, "block_n": 128, "maxnreg": 128},
+    "splits2_block_n128_r168": {"num_splits": 2, "block_n": 128, "maxnreg": 168},
+    "splits1_block_n128_w8": {"num_splits": 1, "block_n": 128, "num_warps": 8},
+    "splits1_block_n64_s3": {"num_splits": 1, "block_n": 64, "num_stages": 3},
+    "splits1_block_n32_s3": {"num_splits": 1, "block_n": 32, "num_stages": 3},
+    "prefetch_splits1_block_n32": {"num_splits": 1, "block_n": 32, "prefetch": True},
+    "prefetch_splits1_block_n64": {"num_splits": 1, "block_n": 64, "prefetch": True},
+    "prefetch_splits1_block_n64_r168": {"num_splits": 1, "block_n": 64, "prefetch": True, "maxnreg": 168},
+    "prefetch_splits1_block_n128_w8": {"num_splits": 1, "block_n": 128, "num_warps": 8, "prefetch": True},
+}
+
+
 def sweep_attention(runner: Any, block_tables: torch.Tensor, batch: int, context: int,
-                    splits: tuple[int, ...] = (1, 2, 4), block_ns: tuple[int, ...] = (64, 128, 256)) -> dict[str, Any]:
-    """The paged-attention kernel alone at the decode shape, over layer 0's cache: first the
-    engine's own launch (``engine_default``: no overrides; bf16: 1 split of 128-key tiles, fp8:
-    2 splits of 128-key tiles at batch 64), then the KV split counts and key tiles the kernel
-    takes as overrides: how far from the read rate one layer's attention is, and what helps."""
+                    settings: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The paged-attention kernel alone at a decode shape (``batch`` sequences of ``context``
+    keys through ``block_tables``), over layer 0's cache: first the engine's own launch
+    (``engine_default``: no overrides), then ``settings`` (default ``ATTENTION_SETTINGS``):
+    how far from the read rate one layer's attention is, and what helps."""
     from tidal_engine.kernels.triton.paged_attention import paged_attention
 
     attn = runner.model.layers[runner.model.start_layer].self_attn
@@ -706,13 +738,11 @@ def sweep_attention(runner: Any, block_tables: torch.Tensor, batch: int, context
     seq_lens = torch.full((batch,), context, dtype=torch.int64, device=dev)
     starts = torch.arange(batch + 1, dtype=torch.int64, device=dev)
     layer_bytes = cache.element_size() * 2 * batch * context * cache.shape[3] * dim
-    out: dict[str, Any] = {"kv_bytes_per_layer": layer_bytes}
-    settings: list[tuple[str, int | None, int | None]] = [("engine_default", None, None)]
-    settings += [(f"splits{n}_block_n{bn}", n, bn) for n in splits for bn in block_ns]
-    for name, n, bn in settings:
-        def call(n: int | None = n, bn: int | None = bn) -> Any:
-            return paged_attention(q, cache, block_tables, seq_lens, starts, dim**-0.5, 1, block_n=bn,
-                                   num_splits=n, k_scale=attn.attn.k_scale, v_scale=attn.attn.v_scale)
+    out: dict[str, Any] = {"batch": batch, "context": context, "kv_bytes_per_layer": layer_bytes}
+    for name, kwargs in {"engine_default": {}, **(settings or ATTENTION_SETTINGS)}.items():
+        def call(kwargs: dict[str, Any] = kwargs) -> Any:
+            return paged_attention(q, cache, block_tables, seq_lens, starts, dim**-0.5, 1,
+                                   k_scale=attn.attn.k_scale, v_scale=attn.attn.v_scale, **kwargs)
         try:
             us = gpu_ms(call) * 1e3
             out[name] = {"us": us, "read_TB_s": layer_bytes / us / 1e6}
@@ -720,6 +750,12 @@ def sweep_attention(runner: Any, block_tables: torch.Tensor, batch: int, context
             out[name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
             if "CUDA error" in str(exc):  # a device fault is sticky: nothing after it would run
                 break
+    timed = {k: v for k, v in out.items() if isinstance(v, dict) and "us" in v}
+    if timed:
+        best = min(timed, key=lambda k: timed[k]["us"])
+        out["best"] = {"setting": best, **timed[best]}
+        print(f"attention {batch}x{context} {cache.dtype}: engine_default {out['engine_default']}, best {best} "
+              f"{timed[best]}", flush=True)
     return out
 
 
