@@ -34,7 +34,7 @@ dummy, no tokenizer, nothing written to disk but config.json):
                      gpu_memory_utilization budget holds; and (attention_sweep, --skip takes it)
                      the paged-attention kernel alone on layer 0's cache: the engine's launch,
                      then the launches of ATTENTION_SETTINGS (KV splits, key tiles, warps, stages,
-                     the register-prefetched loop, 64-bit offsets); and (attention_sweep_short)
+                     register caps, 64-bit offsets); and (attention_sweep_short)
                      the same at issue 13's decode shape, 256 sequences x 320 keys.
 Benchmarks (suite quant: weight quantization, issue 15; --load-format dummy, random weights through
 Tidal's quantizer, nothing on disk but config.json): quant_<format> for each of --quantization
@@ -701,9 +701,10 @@ def gpu_ms(fn: Callable[[], Any], reps: int = 10, warmup: int = 2) -> float:
 
 
 # The launches attention_sweep times after the engine's own (paged_attention's overrides): KV
-# splits, key tiles, warps, pipeline stages and register caps (maxnreg) of the plain key loop, the
-# register-prefetched loop, and the two launches before 32-bit offsets (offsets_i32=False): bf16's
-# (1 split of 128-key tiles at these batches) and fp8's (2 splits of 128-key tiles).
+# splits, key tiles, warps, pipeline stages and register caps (maxnreg), and the two launches
+# before 32-bit offsets (offsets_i32=False): bf16's (1 split of 128-key tiles at these batches)
+# and fp8's (2 splits of 128-key tiles). (h200-2026-12-01e-attn also timed a register-prefetched
+# key loop, since removed: it lost everywhere.)
 ATTENTION_SETTINGS: dict[str, dict[str, Any]] = {
     "block_n128_i64": {"block_n": 128, "offsets_i32": False},
     "splits2_block_n128_i64": {"num_splits": 2, "block_n": 128, "offsets_i32": False},
@@ -715,10 +716,6 @@ ATTENTION_SETTINGS: dict[str, dict[str, Any]] = {
     "splits1_block_n128_w8": {"num_splits": 1, "block_n": 128, "num_warps": 8},
     "splits1_block_n64_s3": {"num_splits": 1, "block_n": 64, "num_stages": 3},
     "splits1_block_n32_s3": {"num_splits": 1, "block_n": 32, "num_stages": 3},
-    "prefetch_splits1_block_n32": {"num_splits": 1, "block_n": 32, "prefetch": True},
-    "prefetch_splits1_block_n64": {"num_splits": 1, "block_n": 64, "prefetch": True},
-    "prefetch_splits1_block_n64_r168": {"num_splits": 1, "block_n": 64, "prefetch": True, "maxnreg": 168},
-    "prefetch_splits1_block_n128_w8": {"num_splits": 1, "block_n": 128, "num_warps": 8, "prefetch": True},
 }
 
 

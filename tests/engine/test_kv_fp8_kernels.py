@@ -72,30 +72,20 @@ def test_paged_attention_reads_fp8_cache(
     assert_close(actual, expected, dtype)
 
 
-DECODE_BATCH = ([1, 1, 1], [5, 17, 40], 1)
-MIXED_SPLIT_BATCH = ([1, 19, 1], [33, 37, 16], 3)
-
-
 @_cpu
-@pytest.mark.parametrize(
-    ("dtype", "prefetch", "offsets_i32", "batch"),
-    [(torch.float32, True, True, DECODE_BATCH), (torch.float16, True, True, MIXED_SPLIT_BATCH),
-     (torch.float16, True, False, MIXED_SPLIT_BATCH), (torch.float32, False, False, MIXED_SPLIT_BATCH)],
-    ids=["fp32-prefetch-i32-decode", "fp16-prefetch-i32-mixed", "fp16-prefetch-i64-mixed", "fp32-i64-mixed"],
-)
-def test_paged_attention_fp8_key_loops(
-    dtype: torch.dtype, prefetch: bool, offsets_i32: bool, batch: tuple[list[int], list[int], int]
-) -> None:
-    """The register-prefetched key loop and the 64-bit address arithmetic (the default launch,
-    above, takes the plain loop with 32-bit offsets on these small caches) over an fp8 cache."""
-    q_lens, seq_lens, num_splits = batch
+@pytest.mark.parametrize(("dtype", "q_lens", "seq_lens", "num_splits"),
+                         [(torch.float32, [1, 1, 1], [5, 17, 40], 1), (torch.float16, [1, 19, 1], [33, 37, 16], 3)],
+                         ids=["fp32-decode", "fp16-mixed-split"])
+def test_paged_attention_fp8_offsets_i64(dtype: torch.dtype, q_lens: list[int], seq_lens: list[int],
+                                         num_splits: int) -> None:
+    """The 64-bit address arithmetic (a cache past int32 offsets; the small caches above take
+    the 32-bit one) over an fp8 cache."""
     b = make_batch(q_lens, seq_lens, 8, 2, 32, 16, dtype, "cpu", seed=7)
     cache = fp8_cache(tuple(b.kv_cache.shape), 8, "cpu")
     expected = TorchAttentionBackend().forward(b.query, cache, b.meta, 0.2, K_SCALE, V_SCALE)
     actual = paged_attention(
         b.query, cache, b.meta.block_tables, b.meta.seq_lens, b.meta.query_start_loc, 0.2, b.meta.max_query_len,
-        block_n=16, num_splits=num_splits, k_scale=K_SCALE, v_scale=V_SCALE, prefetch=prefetch,
-        offsets_i32=offsets_i32,
+        block_n=16, num_splits=num_splits, k_scale=K_SCALE, v_scale=V_SCALE, offsets_i32=False,
     )
     assert_close(actual, expected, dtype)
 
@@ -232,20 +222,20 @@ def test_paged_attention_fp8_realistic_gpu() -> None:
 
 @pytest.mark.gpu
 @_needs_cuda
-@pytest.mark.parametrize(("block_n", "num_warps", "prefetch", "offsets_i32"),
-                         [(None, None, False, None), (64, None, False, None), (256, None, False, None),
-                          (128, None, False, False), (64, 4, True, None), (128, 8, True, None),
-                          (128, 4, True, False)])
-def test_paged_attention_fp8_decode_tiles_gpu(block_n: int | None, num_warps: int | None, prefetch: bool,
+@pytest.mark.parametrize(("block_n", "num_warps", "maxnreg", "offsets_i32"),
+                         [(None, None, None, None), (64, None, None, None), (128, None, None, None),
+                          (256, None, None, None), (128, None, None, False), (128, 8, None, None),
+                          (128, None, 168, None)])
+def test_paged_attention_fp8_decode_tiles_gpu(block_n: int | None, num_warps: int | None, maxnreg: int | None,
                                               offsets_i32: bool | None) -> None:
-    """The decode launch at the 8B shape with one split (the engine's pick at batch 64: 128-key
-    tiles by default) and the other launches the benchmark sweeps: key tiles, the register-
-    prefetched loop, 64-bit address arithmetic."""
+    """The decode launch at the 8B shape with one split (the engine's pick at batch 64: 64-key
+    tiles at a 128-register cap by default) and the other launches the benchmark sweeps: key
+    tiles, warps, register caps, 64-bit address arithmetic."""
     seq_lens = [1 + 523 * i for i in range(1, 17)]
     b = make_batch([1] * 16, seq_lens, 32, 8, 128, 16, torch.bfloat16, "cuda", seed=21)
     cache = fp8_cache(tuple(b.kv_cache.shape), 22, "cuda")
     expected = TorchAttentionBackend().forward(b.query, cache, b.meta, 128**-0.5, 0.8, 1.5)
     actual = paged_attention(b.query, cache, b.meta.block_tables, b.meta.seq_lens, b.meta.query_start_loc,
                              128**-0.5, 1, block_n=block_n, num_splits=1, k_scale=0.8, v_scale=1.5,
-                             num_warps=num_warps, prefetch=prefetch, offsets_i32=offsets_i32)
+                             num_warps=num_warps, maxnreg=maxnreg, offsets_i32=offsets_i32)
     assert_close(actual, expected, torch.bfloat16)

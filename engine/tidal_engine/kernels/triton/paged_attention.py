@@ -75,12 +75,13 @@ _FP16_MAX = tl.constexpr(65504.0)
 MAX_SPLITS = 32
 # Fewest keys worth a split of their own, when a max_seq_len hint is given.
 _MIN_KEYS_PER_SPLIT = 64
-# Register cap of a one-query decode over an fp8 cache (64-key tiles): 128 per thread leaves 4
-# programs of 4 warps per SM (sm_90: 135 uncapped, no spills at 128), so a batch of 64 x 8 KV
-# heads runs in one wave of 132 SMs. On the H200 one split of 64-key tiles read 64 x 8k contexts
-# fastest of the sweep (443 us per layer against 464 for two splits of 128 keys,
-# benchmarks/results/h200-2026-12-01c-fp8).
-_FP8_DECODE_MAXNREG = 128
+# Register cap of the one-query decode launch (64-key tiles in two stages): 128 per thread
+# leaves 4 programs of 4 warps per SM (sm_90: 119 bf16 / 135 fp8 uncapped locally, no spills at
+# 128), so a batch of 64 x 8 KV heads runs in one wave of 132 SMs. On the H200, Qwen3-8B shape,
+# per layer (benchmarks/results/h200-2026-12-01e-attn): bf16 64 x 8k 494 us against 557 with
+# 128-key tiles, 256 x 320 103 against 109; fp8 64 x 8k 434 against 457 for the previous two
+# splits of 128 keys. Uncapped, the same 64-key tiles took 500 / 136 us (bf16), 702 us (fp8).
+_DECODE_MAXNREG = 128
 
 
 @triton.jit
@@ -172,7 +173,6 @@ def _paged_attention_kernel(
     KV_FP8: tl.constexpr,  # the cache is fp8: widen K/V tiles, scale the output by v_scale
     FP8_DOT_F16: tl.constexpr,  # KV_FP8 with a 16-bit query: both dots run in fp16 (see the docstring)
     DECODE: tl.constexpr,  # every query length is <= BLOCK_Q: program i is sequence i's (only) tile
-    PREFETCH: tl.constexpr,  # register double-buffered K/V loads (see the loop)
     OFFS_I32: tl.constexpr,  # every element offset of the cache fits int32: 32-bit address math
 ):
     tile = tl.program_id(0)
@@ -252,53 +252,20 @@ def _paged_attention_kernel(
         kv_head_off = kv_head * stride_ch
     else:
         kv_head_off = kv_head.to(tl.int64) * stride_ch
-    if PREFETCH:
-        # Register double-buffering: tile i+1's K/V loads are issued before tile i is computed and
-        # its block ids one tile earlier still, so a program always has a tile of bytes in flight
-        # and never waits on the block table. (Triton's own pipeliner gives this loop one shared-
-        # memory buffer per operand and waits for every copy at the top of each iteration, after a
-        # block-table load: the load latency is paid once per tile, which a short context, or an
-        # fp8 tile of half the bytes, cannot amortise.) Loads of keys past kv_stop are masked off.
-        k_pos = kv_start + offs_n
+    for start_n in range(kv_start, kv_stop, BLOCK_N):
+        k_pos = start_n + offs_n
         k_valid = k_pos < kv_stop
+        # Per-key gather through the block table: any block size works with any BLOCK_N.
         block_id = _block_ids(bt_row, k_pos, k_valid, BLOCK_SIZE, OFFS_I32)
         slot_off = _slot_offsets(block_id, k_pos, stride_cb, stride_cs, kv_head_off, BLOCK_SIZE, OFFS_I32)
-        k_next = tl.load(k_cache_ptr + slot_off[None, :] + d[:, None], mask=k_valid[None, :] & d_valid[:, None],
-                         other=0.0)
-        v_next = tl.load(v_cache_ptr + slot_off[:, None] + d[None, :], mask=k_valid[:, None] & d_valid[None, :],
-                         other=0.0)
-        k_pos = k_pos + BLOCK_N
-        block_id = _block_ids(bt_row, k_pos, k_pos < kv_stop, BLOCK_SIZE, OFFS_I32)
-        for start_n in range(kv_start, kv_stop, BLOCK_N):
-            k_t = k_next
-            v = v_next
-            # Issue the next tile (block ids loaded an iteration ago), then the ids after it.
-            n_pos = start_n + BLOCK_N + offs_n
-            n_valid = n_pos < kv_stop
-            slot_off = _slot_offsets(block_id, n_pos, stride_cb, stride_cs, kv_head_off, BLOCK_SIZE, OFFS_I32)
-            k_next = tl.load(k_cache_ptr + slot_off[None, :] + d[:, None],
-                             mask=n_valid[None, :] & d_valid[:, None], other=0.0)
-            v_next = tl.load(v_cache_ptr + slot_off[:, None] + d[None, :],
-                             mask=n_valid[:, None] & d_valid[None, :], other=0.0)
-            n_pos = n_pos + BLOCK_N
-            block_id = _block_ids(bt_row, n_pos, n_pos < kv_stop, BLOCK_SIZE, OFFS_I32)
-            m_i, l_i, acc = _attend_tile(q, k_t, v, start_n + offs_n, kv_stop, row_pos, m_i, l_i, acc, scale_log2,
-                                         DOT_PRECISION, KV_FP8)
-    else:
-        for start_n in range(kv_start, kv_stop, BLOCK_N):
-            k_pos = start_n + offs_n
-            k_valid = k_pos < kv_stop
-            # Per-key gather through the block table: any block size works with any BLOCK_N.
-            block_id = _block_ids(bt_row, k_pos, k_valid, BLOCK_SIZE, OFFS_I32)
-            slot_off = _slot_offsets(block_id, k_pos, stride_cb, stride_cs, kv_head_off, BLOCK_SIZE, OFFS_I32)
-            k_t = tl.load(
-                k_cache_ptr + slot_off[None, :] + d[:, None], mask=k_valid[None, :] & d_valid[:, None], other=0.0
-            )  # [D, BLOCK_N]
-            v = tl.load(
-                v_cache_ptr + slot_off[:, None] + d[None, :], mask=k_valid[:, None] & d_valid[None, :], other=0.0
-            )  # [BLOCK_N, D]
-            m_i, l_i, acc = _attend_tile(q, k_t, v, k_pos, kv_stop, row_pos, m_i, l_i, acc, scale_log2,
-                                         DOT_PRECISION, KV_FP8)
+        k_t = tl.load(
+            k_cache_ptr + slot_off[None, :] + d[:, None], mask=k_valid[None, :] & d_valid[:, None], other=0.0
+        )  # [D, BLOCK_N]
+        v = tl.load(
+            v_cache_ptr + slot_off[:, None] + d[None, :], mask=k_valid[:, None] & d_valid[None, :], other=0.0
+        )  # [BLOCK_N, D]
+        m_i, l_i, acc = _attend_tile(q, k_t, v, k_pos, kv_stop, row_pos, m_i, l_i, acc, scale_log2,
+                                     DOT_PRECISION, KV_FP8)
 
     seen = l_i > 0.0  # False only for rows that saw no key (possible only in a split)
     acc = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -365,7 +332,7 @@ def cache_offsets_fit_i32(kv_cache: torch.Tensor) -> bool:
     the bf16 loop's instructions: 1,020 -> 559 per 128-key tile)."""
     half = kv_cache[0]
     last = sum((size - 1) * stride for size, stride in zip(half.shape, half.stride()) if size > 0)
-    return last < 2**31 - 1
+    return last <= 2**31 - 1
 
 
 def choose_tiles(max_query_len: int, group: int, head_dim: int) -> tuple[int, int]:
@@ -482,7 +449,6 @@ def paged_attention(
     v_scale: float = 1.0,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    prefetch: bool = False,
     offsets_i32: bool | None = None,
     maxnreg: int | None = None,
 ) -> torch.Tensor:
@@ -500,8 +466,7 @@ def paged_attention(
     (``choose_num_splits``), never from tensor values, so it is safe under graph capture.
     ``kv_cache`` is in query's dtype, or fp8 e4m3fn holding ``k / k_scale`` and ``v / v_scale``
     (the scales are ignored for any other cache dtype). ``num_warps`` / ``num_stages`` override
-    the launch's (tuning sweeps). ``prefetch`` takes the register double-buffered key loop (tuning
-    sweeps; no launch takes it by default). ``offsets_i32`` forces the address arithmetic's
+    the launch's (tuning sweeps). ``offsets_i32`` forces the address arithmetic's
     width (None: 32-bit when every element offset of the cache fits, see ``cache_offsets_fit_i32``).
     ``maxnreg`` caps the registers per thread (more programs per SM; tuning sweeps).
     """
@@ -563,15 +528,12 @@ def paged_attention(
         raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
     # Every query fits one tile: one program per sequence (a plain or a multi-query decode).
     decode = max(1, max_query_len) <= block_q
-    if one_query_decode and kv_fp8 and block_n is None:
-        # 64-key tiles (half a bf16 tile's bytes) in two stages, capped at 4 programs per SM.
-        block_n = 64
-        num_stages = num_stages or 2
-        maxnreg = maxnreg or (_FP8_DECODE_MAXNREG if query.device.type == "cuda" else None)
-    elif one_query_decode and (num_splits == 1 or kv_fp8):
-        # A large decode batch: 128-key tiles in two stages (on an H200, 256 rows x 320 keys of
-        # the 8B shape: 116 us per layer against 140 with 64 keys in three stages).
-        block_n = block_n or 128
+    if one_query_decode and (num_splits == 1 or kv_fp8):
+        # A large decode batch (or any over an fp8 cache): 64-key tiles in two stages, capped at
+        # 4 programs per SM (see _DECODE_MAXNREG); an explicit block_n keeps its own registers.
+        if block_n is None:
+            block_n = 64
+            maxnreg = maxnreg or (_DECODE_MAXNREG if query.device.type == "cuda" else None)
         num_stages = num_stages or 2
     block_n = block_n or default_n
 
@@ -628,7 +590,6 @@ def paged_attention(
         KV_FP8=kv_fp8,
         FP8_DOT_F16=kv_fp8 and query.dtype != torch.float32,
         DECODE=decode,
-        PREFETCH=prefetch,
         OFFS_I32=offsets_i32,
         num_warps=num_warps or (4 if block_m * max(16, next_power_of_2(head_dim)) <= 64 * 128 else 8),
         **({"num_stages": num_stages} if num_stages else {}),
