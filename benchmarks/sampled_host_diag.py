@@ -1,0 +1,110 @@
+"""Why is offline sampled 256 x (256 -> 128) slower than greedy on the same engine (issue 13)?
+
+Runs the workload of `gpu_bench.py --suite sampled` in the order sampled, greedy, sampled, on one
+LLM, and records for each run the throughput, the host time split of gpu_bench's StepCounter and
+the CUDA caching allocator's counters (device mallocs/frees and retries: each can stall the host).
+A fourth sampled run goes through torch.profiler: the CUDA runtime calls the host spent most time
+in, and how long the GPU sat idle between kernels (gaps over 0.2 ms, summed).
+
+    python3 benchmarks/sampled_host_diag.py --shape qwen3-8b --out sampled_host_diag.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_bench as gb  # noqa: E402
+
+ALLOCATOR_KEYS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
+
+
+def allocator_counts() -> dict[str, int]:
+    stats = torch.cuda.memory_stats()
+    return {k: int(stats.get(k, 0)) for k in ALLOCATOR_KEYS}
+
+
+def run(llm: Any, shape: str, counter: Any, seed: int, sampling: dict[str, Any] | None) -> dict[str, Any]:
+    vocab = gb.SHAPES[shape]["vocab_size"]
+    prompts = gb.rand_prompts(256, [256] * 256, seed, vocab)
+    before = allocator_counts()
+    result = gb.bench_throughput(llm, shape, prompts, [128] * 256, counter, sampling)
+    after = allocator_counts()
+    result["allocator_delta"] = {k: after[k] - before[k] for k in ALLOCATOR_KEYS}
+    return result
+
+
+def gpu_idle_gaps(events: list[Any], threshold_us: float = 200.0) -> dict[str, float]:
+    """Kernel intervals on the device → busy time (their union) and the idle gaps between them."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events
+                   if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    if not spans:
+        return {}
+    busy = 0.0
+    gaps: list[float] = []
+    cur_start, cur_end = spans[0]
+    for start, end in spans[1:]:
+        if start > cur_end:
+            busy += cur_end - cur_start
+            gaps.append(start - cur_end)
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    busy += cur_end - cur_start
+    big = [g for g in gaps if g > threshold_us]
+    return {"span_ms": (spans[-1][1] - spans[0][0]) / 1e3, "busy_ms": busy / 1e3,
+            "gaps_over_threshold": len(big), "gap_ms_over_threshold": sum(big) / 1e3, "threshold_us": threshold_us}
+
+
+def profiled_run(llm: Any, shape: str, counter: Any) -> dict[str, Any]:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        result = run(llm, shape, counter, 21, gb.SAMPLED)
+    runtime = [e for e in prof.key_averages() if e.key.startswith("cuda") and not e.key.startswith("cudaLaunch")]
+    runtime.sort(key=lambda e: e.cpu_time_total, reverse=True)
+    result["cuda_runtime_calls"] = [{"name": e.key, "count": e.count, "total_ms": e.cpu_time_total / 1e3}
+                                    for e in runtime[:12]]
+    result["gpu"] = gpu_idle_gaps(list(prof.events()))
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", choices=sorted(gb.SHAPES), default="qwen3-8b")
+    ap.add_argument("--models", default="/tmp/tidal-bench-models")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    results: dict[str, Any] = {
+        "benchmark": "sampled_host_diag", "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "commit": os.environ.get("TIDAL_COMMIT") or gb.git_commit(),
+        "date": os.environ.get("TIDAL_BENCH_DATE") or time.strftime("%Y-%m-%d"),
+        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "sampling": gb.SAMPLED,
+    }
+    out = Path(args.out)
+
+    def save() -> None:
+        out.write_text(json.dumps(results, indent=1, default=str))
+
+    folder = gb.make_model_folder(args.shape, Path(args.models))
+    llm, construct_s = gb.make_llm(folder)
+    results["llm_construct_s"] = construct_s
+    counter = gb.StepCounter(llm.engine.runner)
+    for name, seed, sampling in (("sampled_first", 11, gb.SAMPLED), ("greedy", 13, None),
+                                 ("sampled_second", 11, gb.SAMPLED)):
+        gb.run_guarded(results, name, lambda s=seed, p=sampling: run(llm, args.shape, counter, s, p), save)
+    gb.run_guarded(results, "sampled_profiled", lambda: profiled_run(llm, args.shape, counter), save)
+    save()
+    print("done", out, flush=True)
+
+
+if __name__ == "__main__":
+    main()
