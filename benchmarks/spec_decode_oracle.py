@@ -19,10 +19,12 @@ the same cost), so ``same_tokens`` checks the verify/accept/emit/rollback plumbi
 shapes, not attention numerics (the tiny-model GPU tests do those).
 
   PYTHONPATH=engine python benchmarks/spec_decode_oracle.py --shape qwen3-8b --out r.json
-Cases: single stream 128 -> 256 at k = 4, acceptance 1.0 / 0.5 / 0.0, and 64 x (256 -> 256) at 0.7.
-The baseline is the same engine without drafts and with async scheduling (the engine's default on
-a GPU without speculation); the speculative run is synchronous (as the engine runs it). Output
-tok/s, wall clock.
+Cases: single stream 128 -> 256 at k = 4, acceptance 1.0 / 0.5 / 0.0, and 64 x (256 -> 256) at 0.7;
+each in two modes: drafts from the host with a synchronous engine (``single_k4_acc0``: a
+draft model's mode, and every engine's before async speculation), and ``..._async``: drafts made
+on the device with async scheduling (the engine's default for n-gram on a GPU; ``DeviceOracle``).
+The baseline is the same engine without drafts and with async scheduling (the engine's default
+on a GPU without speculation). Output tok/s, wall clock.
 """
 
 from __future__ import annotations
@@ -158,6 +160,52 @@ class OracleProposer:
         return out
 
 
+class DeviceOracle:
+    """The oracle on the device (async scheduling: the drafts of step N+1 are made right after
+    step N on the device, spec_decode/device_drafts.py): each row's recorded sequence is found
+    by its prompt, the drafts are its next k recorded tokens, and each proposal's leading run of
+    right drafts comes from the same Weyl sequence as ``OracleProposer`` (precomputed, consumed
+    in order by a device counter); the drafts after the run are wrong (the next id)."""
+
+    def __init__(self, k: int, recorded: dict[tuple[int, ...], list[int]], accept: float, vocab_size: int,
+                 device: Any, seed: int = 0, num_runs: int = 1 << 16) -> None:
+        import torch
+
+        self.num_speculative_tokens = k
+        prompts = list(recorded)
+        if len({len(p) for p in prompts}) != 1:
+            raise ValueError("the device oracle wants prompts of one length")
+        self.prompt_len = len(prompts[0])
+        width = max(len(p) + len(o) for p, o in recorded.items()) + k + 1
+        seqs = torch.zeros((len(prompts), width), dtype=torch.int64)
+        for i, p in enumerate(prompts):
+            full = list(p) + list(recorded[p])
+            seqs[i, : len(full)] = torch.tensor(full)
+        self.prompts = torch.tensor(prompts, dtype=torch.int64, device=device)
+        self.seqs = seqs.to(device)
+        u = float(np.random.default_rng(seed).random())
+        runs = []
+        for _ in range(num_runs):
+            u = (u + GOLDEN) % 1.0
+            runs.append(leading_run(u, accept, k))
+        self.runs = torch.tensor(runs, dtype=torch.int64, device=device)
+        self.counter = torch.zeros(1, dtype=torch.int64, device=device)
+        self.vocab_size = vocab_size
+
+    def propose_on_device(self, tokens: Any, lens: Any, rows: Any) -> Any:
+        import torch
+
+        b, k, p = tokens.shape[0], self.num_speculative_tokens, self.prompt_len
+        head = tokens[:, :p] if tokens.shape[1] >= p else torch.nn.functional.pad(tokens, (0, p - tokens.shape[1]))
+        which = (head[:, None, :] == self.prompts[None]).all(dim=2).long().argmax(dim=1)
+        j = torch.arange(k, device=tokens.device)
+        at = (lens[:, None] + j[None, :]).clamp(max=self.seqs.shape[1] - 1)
+        truth = self.seqs.index_select(0, which).gather(1, at)
+        run = self.runs[(self.counter + torch.arange(b, device=tokens.device)) % self.runs.shape[0]]
+        self.counter += b
+        return torch.where(j[None, :] < run[:, None], truth, (truth + 1) % self.vocab_size)
+
+
 class StepTimer:
     """GPU time per step, from CUDA events recorded around each ``runner.execute`` call (no
     synchronisation until ``finish``). The start event runs when the stream reaches it: right
@@ -209,12 +257,26 @@ def _first_diff(a: list[list[int]], b: list[list[int]]) -> int | None:
     return min(found) if found else None
 
 
-def run_case(llm: Any, prompts: list[list[int]], max_tokens: int, k: int, accept: float) -> dict[str, Any]:
+def use_engine_mode(llm: Any, proposer: Any, device_proposer: Any) -> None:
+    """No speculation (both None: async scheduling, the GPU default), speculation with drafts
+    from the host (a synchronous engine), or with drafts made on the device (async scheduling)."""
+    from tidal_engine.spec_decode.device_drafts import DeviceDrafts
+
+    core, runner = llm.engine.core, llm.engine.runner
+    core.proposer = proposer
+    core.device_drafts = device_proposer is not None
+    core.async_scheduling = proposer is None or device_proposer is not None
+    runner.batch.device_drafts = None if device_proposer is None else \
+        DeviceDrafts(device_proposer, runner.batch.capacity + 1, runner.max_model_len, runner.device)
+
+
+def run_case(llm: Any, prompts: list[list[int]], max_tokens: int, k: int, accept: float,
+             on_device: bool = False) -> dict[str, Any]:
     from tidal_engine import SamplingParams
 
     core = llm.engine.core
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    core.proposer, core.async_scheduling = None, True  # the plain engine's default on a GPU
+    use_engine_mode(llm, None, None)
     llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))  # warm
     start = time.perf_counter()
     with StepTimer(llm.engine.runner) as base_timer:
@@ -222,7 +284,8 @@ def run_case(llm: Any, prompts: list[list[int]], max_tokens: int, k: int, accept
     base_s = time.perf_counter() - start
     recorded = {tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, base)}
     oracle = OracleProposer(k, recorded, accept, core.vocab_size)
-    core.proposer, core.async_scheduling = oracle, False
+    device_oracle = DeviceOracle(k, recorded, accept, core.vocab_size, llm.engine.runner.device) if on_device else None
+    use_engine_mode(llm, oracle, device_oracle)
     before = llm.engine.get_stats()
     runner = llm.engine.runner
     replays = runner.verify_graphs.num_replays if runner.verify_graphs is not None else None
@@ -231,7 +294,7 @@ def run_case(llm: Any, prompts: list[list[int]], max_tokens: int, k: int, accept
         spec = llm.generate(prompts, params)
     spec_s = time.perf_counter() - start
     after = llm.engine.get_stats()
-    core.proposer = None
+    use_engine_mode(llm, None, None)
     base_ids = [o.outputs[0].token_ids for o in base]
     spec_ids = [o.outputs[0].token_ids for o in spec]
     tokens = sum(len(t) for t in spec_ids)
@@ -241,6 +304,7 @@ def run_case(llm: Any, prompts: list[list[int]], max_tokens: int, k: int, accept
     per_pos = [a - b for a, b in zip(after.spec_decode_num_accepted_tokens_per_pos,
                                      before.spec_decode_num_accepted_tokens_per_pos + [0] * k)]
     return {"accept_target": accept, "k": k, "requests": len(prompts), "max_tokens": max_tokens,
+            "drafts_on_device": on_device, "async_scheduling": on_device,
             "same_tokens": spec_ids == base_ids, "first_diff": _first_diff(base_ids, spec_ids),
             "distinct_tokens_first_request": len(set(base_ids[0])),
             "baseline_s": base_s, "spec_s": spec_s, "baseline_tok_s": tokens / base_s, "spec_tok_s": tokens / spec_s,
@@ -310,20 +374,22 @@ def main() -> None:
     batch = [rng.integers(100, vocab - 100, 256).tolist() for _ in range(64)]
     t0 = time.perf_counter()
     run_case(llm, single, 32, args.k, 0.5)  # warm-up, discarded
+    run_case(llm, single, 32, args.k, 0.5, True)
     results["warm_up_s"] = time.perf_counter() - t0
     wanted = set(args.cases.split(","))
     for name, prompts, max_tokens, accept in (("single_k4_acc100", single, 256, 1.0),
                                               ("single_k4_acc50", single, 256, 0.5),
                                               ("single_k4_acc0", single, 256, 0.0),
                                               ("batch64_k4_acc70", batch, 256, 0.7)):
-        if name not in wanted:
-            continue
-        try:
-            results["cases"][name] = run_case(llm, prompts, max_tokens, args.k, accept)
-        except Exception as exc:  # noqa: BLE001 - recorded, the other cases still run
-            results["cases"][name] = {"error": repr(exc)[:2000]}
-        save()
-        print(name, json.dumps(results["cases"][name]), flush=True)
+        for mode in ("", "_async"):  # drafts from the host (synchronous) / on the device (async)
+            if name + mode not in wanted:
+                continue
+            try:
+                results["cases"][name + mode] = run_case(llm, prompts, max_tokens, args.k, accept, bool(mode))
+            except Exception as exc:  # noqa: BLE001 - recorded, the other cases still run
+                results["cases"][name + mode] = {"error": repr(exc)[:2000]}
+            save()
+            print(name + mode, json.dumps(results["cases"][name + mode]), flush=True)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from tidal_engine import LLM, SamplingParams
 from tidal_engine.server.metrics import ServerMetrics, metric_value
@@ -29,9 +30,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def make_llm(folder: Path, spec: bool, **options: object) -> LLM:
-    defaults: dict[str, object] = dict(dtype="float32", device="cpu", max_model_len=256, num_gpu_blocks_override=512)
+    defaults: dict[str, object] = dict(dtype="float32", device="cpu", max_model_len=256, num_gpu_blocks_override=512,
+                                       speculative_config=SPEC if spec else None)
     defaults.update(options)
-    return LLM(str(folder), speculative_config=SPEC if spec else None, **defaults)
+    return LLM(str(folder), **defaults)
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +41,12 @@ def reference(model_dir: Path) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in make_llm(model_dir, False).generate(PROMPTS, GREEDY)]
 
 
-@pytest.fixture(scope="module")
-def spec_llm(model_dir: Path) -> LLM:
-    return make_llm(model_dir, True)
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def spec_llm(model_dir: Path, request: pytest.FixtureRequest) -> LLM:
+    # async: async scheduling forced on, so drafts are made on the device (spec_decode/device_drafts.py)
+    llm = make_llm(model_dir, True, async_scheduling=request.param)
+    assert llm.engine.core.async_scheduling == request.param == (llm.engine.runner.batch.device_drafts is not None)
+    return llm
 
 
 def test_greedy_equal_and_drafts_accepted(spec_llm: LLM, reference: list[list[int]]) -> None:
@@ -60,12 +65,14 @@ def test_greedy_equal_and_drafts_accepted(spec_llm: LLM, reference: list[list[in
     assert stats.generation_tokens_total - before.generation_tokens_total == 2 * sum(map(len, reference))
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("options", [
     dict(max_num_batched_tokens=7, max_num_seqs=4),  # chunked prefill next to verify rows; clipped drafts
     dict(num_gpu_blocks_override=17, max_num_seqs=8),  # preemption (one 256-token sequence needs 16 blocks)
 ])
-def test_greedy_equal_under_pressure(model_dir: Path, reference: list[list[int]], options: dict) -> None:
-    llm = make_llm(model_dir, True, **options)
+def test_greedy_equal_under_pressure(model_dir: Path, reference: list[list[int]], options: dict,
+                                     async_scheduling: bool) -> None:
+    llm = make_llm(model_dir, True, async_scheduling=async_scheduling, **options)
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
     if options.get("num_gpu_blocks_override") == 17:
         assert llm.engine.get_stats().num_preemptions > 0
@@ -109,11 +116,11 @@ def test_stop_strings_and_n_and_mixed_rows_match_no_speculation(model_dir: Path,
 
 
 def test_next_step_launched_ahead_and_an_abort_meanwhile(spec_llm: LLM, reference: list[list[int]]) -> None:
-    # Speculating without async scheduling, step() returns step N's outputs with step N+1
-    # already launched (N's tokens and stops were in before it was scheduled). A request
-    # aborted while N+1 runs gets nothing more; the other keeps its exact greedy tokens.
+    # step() returns step N's outputs with step N+1 already launched: without async
+    # scheduling N's tokens and stops were in before N+1 was scheduled, with it N+1 was
+    # launched first. A request aborted while N+1 runs gets nothing more; the other keeps
+    # its exact greedy tokens.
     engine, core = spec_llm.engine, spec_llm.engine.core
-    assert not core.async_scheduling
     for i in range(2):
         engine.add_request(f"ahead{i}", PROMPTS[i], GREEDY)
     got: dict[str, list[int]] = {"ahead0": [], "ahead1": []}
@@ -122,12 +129,13 @@ def test_next_step_launched_ahead_and_an_abort_meanwhile(spec_llm: LLM, referenc
     while engine.has_unfinished_requests():
         for out in engine.step():
             got[out.request_id] = list(out.outputs[0].token_ids)
-        if engine.has_unfinished_requests():
-            assert core._in_flight is not None  # the next step runs while the caller works
-        if aborted_at is None and len(got["ahead1"]) >= 5:
+        in_flight = set() if core._in_flight is None else {c.request.request_id for c in core._in_flight.output.chunks}
+        if engine.has_unfinished_requests() and not core.async_scheduling:
+            assert in_flight  # the next step runs while the caller works
+        # (with async scheduling a row near max_tokens whose in-flight step has drafts sits a step out)
+        if aborted_at is None and len(got["ahead1"]) >= 5 and "ahead1" in in_flight:
             aborted_at = len(got["ahead1"])
             engine.abort_request("ahead1")
-            assert core._in_flight is not None and "ahead1" in {c.request.request_id for c in core._in_flight.output.chunks}
     assert got["ahead0"] == reference[0]
     assert aborted_at is not None and got["ahead1"] == reference[1][:aborted_at]
     assert engine.get_stats().spec_decode_num_drafts > drafts_before
@@ -141,6 +149,120 @@ def test_sampled_rows_run_with_drafts(spec_llm: LLM) -> None:
     outputs = spec_llm.generate(PROMPTS, params)
     assert all(len(o.outputs[0].token_ids) == 30 for o in outputs)
     assert spec_llm.engine.get_stats().spec_decode_num_drafts > before
+
+
+def test_async_drafts_with_worker_processes(model_dir: Path, reference: list[list[int]]) -> None:
+    # Worker processes (two tensor-parallel ranks) take each step's result on a sender thread,
+    # so a rank may know a step's tokens before the next plan arrives: the rows with drafts
+    # made on the device take their input token, shift and drafts from the device all the same.
+    llm = make_llm(model_dir, True, async_scheduling=True, distributed_executor_backend="mp", tensor_parallel_size=2)
+    try:
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
+        assert llm.engine.get_stats().spec_decode_num_accepted_tokens > 0
+    finally:
+        llm.engine.shutdown()
+
+
+def run_mixed(llm: LLM, requests: list[tuple[list[int], str | None]], params: SamplingParams) -> list[list[int]]:
+    """Requests with and without an adapter, added together so they share steps."""
+    engine = llm.engine
+    for i, (prompt, lora) in enumerate(requests):
+        engine.add_request(f"mixed{i}", prompt, params, lora_name=lora)
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+    return [done[f"mixed{i}"] for i in range(len(requests))]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_lora_rows_keep_their_greedy_tokens(model_dir: Path, tmp_path: Path, async_scheduling: bool) -> None:
+    # Adapter rows next to base rows: the LoRA steps run eagerly (and, with async scheduling,
+    # synchronously, their drafts from the host), each row the greedy tokens of its own model.
+    from test_lora_support import make_peft_adapter
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    make_peft_adapter(hf, tmp_path / "a", rank=4, alpha=8, seed=1)
+    lora = dict(enable_lora=True, max_loras=1, max_lora_rank=8, lora_modules={"a": str(tmp_path / "a")})
+    tok = make_llm(model_dir, False).engine.tokenizer
+    prompts = [tok.encode(p) for p in PROMPTS[:4]]
+    requests = [(p, "a" if i % 2 == 0 else None) for i, p in enumerate(prompts)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    want = run_mixed(make_llm(model_dir, False, **lora), requests, params)
+    spec = make_llm(model_dir, True, async_scheduling=async_scheduling, **lora)
+    assert run_mixed(spec, requests, params) == want
+    assert want[0] != run_mixed(make_llm(model_dir, False, **lora), [(prompts[0], None)], params)[0]  # the adapter matters
+    assert spec.engine.get_stats().spec_decode_num_drafts > 0
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_sampled_rows_keep_the_target_distribution(model_dir: Path, async_scheduling: bool) -> None:
+    """(t1, t2) of top-k = 4 sampling, t2 from a verify step whose draft is the likeliest t2
+    (a table proposer; on the device with async scheduling): the pairs follow the target's exact
+    joint distribution (chi-square, p = 0.001, fixed seed), and some drafts are accepted."""
+    from test_spec_decode_draft_model import chi_square_critical_999
+    from transformers import AutoModelForCausalLM
+
+    prompt, samples, top_k = [5, 17, 42, 99], 600, 4
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    def dist(ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids])).logits[0, -1]
+        top = logits.topk(top_k)
+        return torch.zeros_like(logits).index_put_((top.indices,), top.values.softmax(0))
+
+    p1 = dist(prompt)
+    second = {a: dist(prompt + [a]) for a in p1.nonzero().flatten().tolist()}
+    expected = {(a, b): samples * float(p1[a]) * float(pb)
+                for a, p2 in second.items() for b, pb in enumerate(p2) if pb > 0}
+    table = torch.zeros(p1.shape[0], dtype=torch.int64)  # last token -> its likeliest successor
+    for a, p2 in second.items():
+        table[a] = int(p2.argmax())
+    llm = make_llm(model_dir, True, async_scheduling=async_scheduling,
+                   speculative_config={"method": "ngram", "num_speculative_tokens": 1})
+    if async_scheduling:
+        llm.engine.runner.batch.device_drafts.proposer = TableProposer(table)
+    else:
+        llm.engine.core.proposer = TableProposer(table)
+    params = SamplingParams(temperature=1.0, top_k=top_k, max_tokens=3, ignore_eos=True)  # room for a draft at t2
+    outputs = llm.generate([list(prompt) for _ in range(samples)], params)
+    stats = llm.engine.get_stats()
+    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+    counts: dict[tuple[int, int], int] = {}
+    for o in outputs:
+        pair = tuple(o.outputs[0].token_ids[:2])
+        counts[pair] = counts.get(pair, 0) + 1
+    assert set(counts) <= set(expected)  # nothing outside the top-k support
+    big = [c for c, e in expected.items() if e >= 5]  # cells with few expected samples pooled into one
+    observed = [counts.get(c, 0) for c in big] + [samples - sum(counts.get(c, 0) for c in big)]
+    wanted = [expected[c] for c in big] + [samples - sum(expected[c] for c in big)]
+    stat = sum((o - e) ** 2 / e for o, e in zip(observed, wanted) if e > 0)
+    assert stat < chi_square_critical_999(len(big)), (stat, len(big))
+
+
+class TableProposer:
+    """One draft: ``table[last token]``, on the host (the Proposer interface) or on the device."""
+
+    num_speculative_tokens = 1
+
+    def __init__(self, table: torch.Tensor) -> None:
+        self.table = table
+
+    def release(self, request_id: str) -> None:
+        pass
+
+    def propose(self, token_ids: list, max_drafts: list[int], request_ids: list[str]) -> list:
+        import numpy as np
+
+        return [np.asarray([int(self.table[int(t[-1])])] if cap > 0 else [], dtype=np.int64)
+                for t, cap in zip(token_ids, max_drafts)]
+
+    def propose_on_device(self, tokens: torch.Tensor, lens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        last = tokens.gather(1, (lens - 1).clamp(min=0)[:, None])
+        return self.table.to(tokens.device)[last]
 
 
 def test_spec_decode_counters_in_metrics(spec_llm: LLM) -> None:

@@ -32,16 +32,21 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("max_num_batched_tokens", [None, 96], ids=["decode-rows", "with-prefill-chunks"])
-def test_verify_graphs_keep_the_greedy_tokens(tiny_dir: Path, max_num_batched_tokens: int | None) -> None:
+def test_verify_graphs_keep_the_greedy_tokens(tiny_dir: Path, max_num_batched_tokens: int | None,
+                                              async_scheduling: bool) -> None:
     # fp32, so the verify graphs' GEMM shapes (k + 1 rows a sequence) can't flip a token; a
     # repetitive prompt set so n-gram drafts are found and accepted. 96 tokens a step: chunked
-    # prefills run next to verify rows (the mixed-step graphs).
+    # prefills run next to verify rows (the mixed-step graphs). async: drafts made on the
+    # device, each step shifted there by its previous step's accepted count.
     from tidal_engine import LLM, SamplingParams
 
     llm = LLM(str(tiny_dir), device="cuda", dtype="float32", max_model_len=512, num_gpu_blocks_override=256,
               max_num_batched_tokens=max_num_batched_tokens, cuda_graph_sizes=[1, 2, 4, 8],
+              async_scheduling=async_scheduling,
               speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3})
+    assert (llm.engine.runner.batch.device_drafts is not None) == async_scheduling
     prompts = [p * 4 for p in SAMPLE_PROMPTS]
     params = [SamplingParams(temperature=0.0, max_tokens=24 + 4 * i, ignore_eos=True) for i in range(len(prompts))]
     core = llm.engine.core

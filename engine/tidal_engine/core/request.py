@@ -82,6 +82,9 @@ class Request:
         self.block_hashes: list[BlockHash] = []
         self.extra: dict[str, Any] = {}
         self.spec_token_ids: list[int] = []  # drafts to verify in the next step (speculative decoding)
+        # Async scheduling with speculation: drafts of the step in flight, which the scheduler
+        # advanced as if none were accepted; the next step's KV slots cover them all.
+        self.num_lookahead_tokens = 0
         # prompt + outputs kept as one list so all_token_ids is O(1), not a fresh concatenation.
         self._all_token_ids: list[int] = list(self.prompt_token_ids)
         self._hash_block_size: int | None = None

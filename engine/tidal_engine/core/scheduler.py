@@ -259,14 +259,19 @@ class Scheduler:
             if num_new == 0:
                 continue
             drafts: list[int] = []
+            ahead = request.num_lookahead_tokens  # in-flight drafts the device may have accepted
             if request.spec_token_ids and num_new == 1 and request.num_tokens - request.num_computed_tokens == 1:
                 # Drafts ride as extra query tokens of the decode row (clipped to budget and context).
-                room = min(budget, self.config.max_model_len - request.num_computed_tokens) - 1
+                room = min(budget, self.config.max_model_len - request.num_computed_tokens - ahead) - 1
                 drafts = request.spec_token_ids[: max(0, room)]
                 num_new += len(drafts)
             request.spec_token_ids = []
+            if ahead and not drafts:
+                # Its position waits on the device for the in-flight step's accepted count,
+                # which only draft rows apply: it sits out until that step's tokens are in.
+                continue
             while True:
-                block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+                block_ids = self.kv_cache_manager.allocate_slots(request, num_new + ahead)
                 if block_ids is not None:
                     break
                 if preempt_newest() is request:

@@ -13,10 +13,15 @@ N's sampled ids to N+1 on the device), and only then waits for N's ids and does 
 work while the device runs N+1. A sample that stops at N has one step computed for
 nothing; one whose N token is its last (max_tokens, the context) is held out of N+1.
 Steps with a grammar row (the next bitmask needs the token) or a LoRA row are synchronous.
-A speculating engine schedules synchronously (the proposer and the scheduler need each row's
-accepted tokens) but launches ahead: ``step()`` completes N (tokens, stops), then proposes,
-schedules and launches N+1 before it returns N's deltas, so the caller's output work
-(text, stop strings, messages to the API servers) overlaps N+1 on the device.
+With n-gram speculation async scheduling stays on: a verify row in flight is advanced with one
+placeholder as if it accepted no draft (``num_lookahead_tokens`` holds its drafts, which its
+next KV allocation covers), its next step gets draft slots that the device fills, and the
+device shifts that step by the count accepted (spec_decode/device_drafts.py); the accepted
+tokens join the request when the step's result arrives (``_fill_placeholder``). A speculating
+engine without async scheduling (a draft model proposes on the host) launches ahead instead:
+``step()`` completes N (tokens, stops), then proposes, schedules and launches N+1 before it
+returns N's deltas, so the caller's output work (text, stop strings, messages to the API
+servers) overlaps N+1 on the device.
 
 Pipeline parallelism (PP = p) keeps up to p batches in flight instead (vLLM's batch queue):
 each ``step()`` schedules new batches from the requests that are in none of the in-flight
@@ -34,6 +39,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,7 +65,7 @@ from tidal_engine.kv_transfer.factory import create_scheduler_connector
 from tidal_engine.lora import AdapterInfo, LoRAAdapter, LoRAError, LoRAManager
 from tidal_engine.models.loader import load_tokenizer, resolve_dtype, resolve_model
 from tidal_engine.sampling_params import SamplingParams
-from tidal_engine.spec_decode.config import SpeculativeConfig
+from tidal_engine.spec_decode.config import SpeculativeConfig, drafts_on_device
 from tidal_engine.spec_decode.proposer import Proposer, build_proposer
 from tidal_engine.spec_decode.token_history import TokenHistory
 from tidal_engine.structured import GrammarCompilerCache, GrammarMatcher
@@ -232,8 +238,13 @@ class EngineCore:
         self._grammars: GrammarCompilerCache | None = None  # built on the first structured request
         self._state_lock = threading.Lock()  # sleep/wake/reset from other threads (offline users)
         self.async_scheduling = config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
-        if self.proposer is not None:
-            self.async_scheduling = False  # the proposer reads every token on the host
+        # Async scheduling with speculation needs drafts made on the device (n-gram; the
+        # runners decide alike): a row whose last token is still in flight gets draft slots
+        # that the device fills. Other proposers read every token on the host: synchronous.
+        self.device_drafts = drafts_on_device(self.speculative, config.async_scheduling, self.device.type) \
+            and config.pipeline_parallel_size == 1
+        if self.proposer is not None and not self.device_drafts:
+            self.async_scheduling = False
         # vLLM's spec-decode counters: drafts (rows that verified), draft tokens, accepted tokens, per position.
         self.spec_num_drafts = 0
         self.spec_num_draft_tokens = 0
@@ -442,6 +453,8 @@ class EngineCore:
         current, self._in_flight = self._in_flight, None
         if self.async_scheduling and not current.synchronous:
             hold = self._advance_with_placeholders(current)
+            if self.proposer is not None:
+                self._propose(hold)
             self._in_flight = self._launch(self.scheduler.schedule(hold=hold))
             return self._complete(current)
         deltas = self._complete(current)
@@ -475,19 +488,29 @@ class EngineCore:
             return []
         return self._complete(batches.popleft())
 
-    def _propose(self) -> None:
-        """Drafts for the running decode rows whose sampling the verifier handles exactly."""
+    def _propose(self, hold: Collection[str] = ()) -> None:
+        """Drafts for the running decode rows whose sampling the verifier handles exactly.
+        With drafts made on the device, a row whose last token is still in flight gets draft
+        slots (placeholders the device fills) instead; its in-flight drafts may all be accepted,
+        so its caps count them (``num_lookahead_tokens``)."""
         assert self.proposer is not None
         rows: list[Request] = []
         caps: list[int] = []
         histories: list[np.ndarray] = []
+        k = self.proposer.num_speculative_tokens
         for req in self.scheduler.running:
+            req.spec_token_ids = []
             sample = self._samples.get(req.request_id)
-            if sample is None or req.num_tokens - req.num_computed_tokens != 1 or not spec_eligible(sample):
+            if sample is None or req.num_tokens - req.num_computed_tokens != 1 or not spec_eligible(sample) \
+                    or req.request_id in hold:
                 continue
             params = req.sampling_params
-            cap = min((params.max_tokens or 0) - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
-            if cap > 0:
+            ahead = req.num_lookahead_tokens
+            cap = min((params.max_tokens or 0) - req.num_output_tokens,
+                      self.max_model_len - req.num_tokens) - ahead - 1
+            if cap > 0 and req.has_placeholder:
+                req.spec_token_ids = [PLACEHOLDER_TOKEN] * min(cap, k)
+            elif cap > 0:
                 if sample.history is None:
                     sample.history = TokenHistory(min(req.num_prompt_tokens + (params.max_tokens or 0), 2 * req.num_tokens + 256))
                 rows.append(req)
@@ -584,11 +607,17 @@ class EngineCore:
     def _advance_with_placeholders(self, step: _Step) -> set[str]:
         """Move the scheduler past ``step`` as if its tokens were known (placeholders stand in
         for them). Returns the requests whose placeholder is their last token: hold them."""
-        self.scheduler.update_from_output(step.output, {c.request.request_id: PLACEHOLDER_TOKEN for c in step.sampling_chunks})
+        # A verify row advances as if it accepted no draft (one placeholder): the device shifts
+        # its next step by what it did accept, and its KV slots cover every draft accepted.
+        self.scheduler.update_from_output(step.output, {
+            c.request.request_id: [PLACEHOLDER_TOKEN] if c.draft_token_ids else PLACEHOLDER_TOKEN
+            for c in step.sampling_chunks})
         step.advanced = True
         hold: set[str] = set()
         for chunk in step.sampling_chunks:
             req = chunk.request
+            if chunk.draft_token_ids and req.status == RequestStatus.RUNNING:
+                req.num_lookahead_tokens = len(chunk.draft_token_ids)
             if req.has_placeholder and (
                 req.num_output_tokens >= (req.sampling_params.max_tokens or 0) or req.num_tokens >= self.max_model_len
             ):
@@ -618,9 +647,7 @@ class EngineCore:
                 continue  # finished or aborted since the step was launched
             token_id = token_of[rid]
             if step.advanced:
-                chunk.request.fill_placeholder(token_id)
-                if sample.history is not None:
-                    sample.history.replace(chunk.request.num_tokens - 1, token_id)
+                self._fill_placeholder(sample, token_id)
             parent = self._parents[sample.parent_id]
             if isinstance(token_id, list):  # verified drafts: each token in turn, until one ends the sample
                 first_output = chunk.request.num_output_tokens - len(token_id)
@@ -637,6 +664,22 @@ class EngineCore:
             if parent.finished:
                 self._end_parent(parent)
         return deltas
+
+    def _fill_placeholder(self, sample: _Sample, token_id: int | list[int]) -> None:
+        """The in-flight step's tokens arrived: they replace its placeholder. A verify row was
+        advanced as if it accepted no draft: the accepted ones are appended and counted as
+        computed now (their KV was written where the device put them)."""
+        req = sample.request
+        tokens = token_id if isinstance(token_id, list) else [token_id]
+        req.fill_placeholder(tokens[0])
+        if sample.history is not None:
+            sample.history.replace(req.num_tokens - 1, tokens[0])
+        for t in tokens[1:]:
+            req.append_output_token(t)
+        if isinstance(token_id, list):
+            req.num_lookahead_tokens = 0
+            if req.status == RequestStatus.RUNNING:  # a preempted row recomputes them anyway
+                req.num_computed_tokens += len(tokens) - 1
 
     def _count_accepted(self, step: _Step, token_of: dict[str, Any]) -> None:
         for chunk in step.sampling_chunks:

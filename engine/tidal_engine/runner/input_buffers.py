@@ -10,7 +10,7 @@ order (each array 32-byte aligned)::
 
     input_ids[T] | positions[T] | slot_mapping[T] | seq_lens[S] | query_start_loc[S+1]
     | sample_rows[N] | batch_rows[S] | sampled_rows[N] | feed_rows[F] | feed_src[F]
-    | bt_index[K] | bt_value[K]
+    | bt_index[K] | bt_value[K] | feed_seq[F] | feed_drafts[F]
 
 so a step costs one pinned host→device copy (non-blocking), and the device views of the
 packed buffer are the model's inputs. ``bt_index``/``bt_value`` are the block-table entries
@@ -24,7 +24,9 @@ and a second one puts the gathered block table into the graph's fixed-width tabl
 Async scheduling stages a step before the previous one's tokens are back on the host: a
 chunk whose last token is still being sampled is *fed* on the device, ``input_ids[feed_rows[j]]
 = last_sampled[feed_src[j]]`` (the persistent batch's per-row last sampled id), right after
-the upload (the host wrote 0 there).
+the upload (the host wrote 0 there). With speculation (drafts made on the device) a fed row's
+``feed_drafts[j]`` drafts follow its fed token; ``feed_seq[j]`` is its sequence in the step, and
+the runner shifts its positions by the accepted count of its previous step, on the device.
 
 Padding rows (decode-only steps padded to a bucket) are dummy sequences of one token:
 token 0 at position 0, ``seq_len`` 1, slot -1 (their K/V is written nowhere) and a block
@@ -137,7 +139,7 @@ class StepLayout:
 
     @property
     def total(self) -> int:
-        return self.offsets()["bt_value"][1]
+        return self.offsets()["feed_drafts"][1]
 
     def offsets(self) -> dict[str, tuple[int, int]]:
         return packed_offsets(self.num_tokens, self.num_seqs, self.num_samples, self.num_feeds, self.num_bt_updates)
@@ -174,6 +176,8 @@ def packed_offsets(
         ("feed_src", num_feeds),
         ("bt_index", num_bt_updates),
         ("bt_value", num_bt_updates),
+        ("feed_seq", num_feeds),
+        ("feed_drafts", num_feeds),
     ]
     out: dict[str, tuple[int, int]] = {}
     at = 0
@@ -225,7 +229,9 @@ def plan_step(
         num_tokens = pad_tokens_to
     ends = qsl[1 : real + 1] - 1
     sample_rows = ends[step.samples]
-    feed_rows = ends[step.fed]
+    # A fed token is the chunk's last known one: before the drafts, when the row has drafts
+    # (async scheduling with speculation: they come from the device too).
+    feed_rows = (ends if step.num_drafts is None else ends - step.num_drafts)[step.fed]
     return StepLayout(
         num_tokens=num_tokens,
         num_seqs=num_seqs,
@@ -299,6 +305,8 @@ def fill_step(
     if layout.num_feeds:
         span("feed_rows")[:] = layout.feed_rows
         span("feed_src")[:] = layout.feed_src
+        span("feed_seq")[:] = np.flatnonzero(step.fed)
+        span("feed_drafts")[:] = 0 if step.num_drafts is None else step.num_drafts[step.fed]
     if layout.num_bt_updates:
         assert bt_index is not None and bt_value is not None
         span("bt_index")[:] = bt_index

@@ -154,6 +154,7 @@ class ModelRunner:
         self.staging = PinnedStaging(device)
         # Every live request's row: tokens, block table (mirrored on the device), last sample.
         self.batch = PersistentBatch(config.max_num_seqs, self.max_model_len, config.block_size, device)
+        self._use_device_drafts()
         self.graphs: DecodeGraphs | None = None
         self.mixed_graphs: MixedGraphs | None = None
         self.verify_graphs: VerifyGraphs | None = None  # speculative decoding's verify steps
@@ -491,7 +492,64 @@ class ModelRunner:
             batch.apply_block_updates(staged[ia:ib], staged[va:vb])
         if layout.num_feeds:
             _feed_input_ids(staged, layout, batch.last_sampled_dev)
+            if batch.device_drafts is not None:
+                self._shift_fed_rows(layout, staged)
+        if batch.device_drafts is not None:  # bounds the histories the proposer reads after the step
+            self._history_width = int(batch.num_tokens[step.rows].max()) + 2 * (batch.device_drafts.k + 1)
         return layout, staged
+
+    def _use_device_drafts(self) -> None:
+        """Async scheduling with n-gram speculation: drafts are made on the device (the host
+        does not know a step's tokens when it schedules the next one)."""
+        from tidal_engine.spec_decode.config import SpeculativeConfig, drafts_on_device
+
+        raw = getattr(self.config, "speculative_config", None)
+        spec = SpeculativeConfig.parse(raw) if raw else None
+        if not drafts_on_device(spec, getattr(self.config, "async_scheduling", None), self.device.type):
+            return
+        from tidal_engine.spec_decode.device_drafts import DeviceDrafts, DeviceNgramProposer
+
+        assert spec is not None
+        proposer = DeviceNgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        self.batch.device_drafts = DeviceDrafts(proposer, self.batch.capacity + 1, self.max_model_len, self.device)
+
+    def _shift_fed_rows(self, layout: StepLayout, staged: torch.Tensor) -> None:
+        """Device drafts: the host scheduled each fed row as if its previous step (still in
+        flight then) accepted no draft. Shift its positions, slots and sequence length by the
+        count it did accept, and write its drafts after its fed token; all on the device."""
+        drafts = self.batch.device_drafts
+        assert drafts is not None
+        off = layout.offsets()
+
+        def span(name: str) -> torch.Tensor:
+            a, b = off[name]
+            return staged[a:b]
+
+        feed_rows, src = span("feed_rows"), span("feed_src")
+        seq, num_drafts = span("feed_seq"), span("feed_drafts")
+        k = drafts.k
+        shift = drafts.accepted.index_select(0, src)
+        j = torch.arange(k + 1, device=staged.device)
+        valid = j[None, :] <= num_drafts[:, None]
+        # [F, k + 1] flat token rows; past a row's drafts, its fed token again (same values).
+        tokens = torch.where(valid, feed_rows[:, None] + j[None, :], feed_rows[:, None]).view(-1)
+        positions = span("positions")
+        pos = (positions.index_select(0, tokens).view(-1, k + 1) + shift[:, None])
+        bs = self.config.block_size
+        blocks = self.batch.block_table_dev[src[:, None].expand(-1, k + 1), pos // bs]
+        positions.index_copy_(0, tokens, pos.view(-1))
+        span("slot_mapping").index_copy_(0, tokens, (blocks * bs + pos % bs).view(-1))
+        seq_lens = span("seq_lens")
+        seq_lens.index_copy_(0, seq, seq_lens.index_select(0, seq) + shift)
+        ids = span("input_ids")
+        fed = ids.index_select(0, feed_rows)
+        new_ids = torch.cat([fed[:, None], drafts.drafts.index_select(0, src)], dim=1)
+        ids.index_copy_(0, tokens, torch.where(valid, new_ids, fed[:, None]).view(-1))
+        if staged.device.type == "cpu":  # the torch backend reads the host copies: they are these
+            layout.seq_lens_np = seq_lens.numpy()[: layout.num_seqs].copy()
+            layout.max_seq_len = int(layout.seq_lens_np.max())
+        else:
+            layout.max_seq_len += k  # a bound (only the torch backend reads it)
 
     def _block_tables(self, layout: StepLayout, staged: torch.Tensor) -> torch.Tensor:
         """The step's [S, W] block table, gathered on the device from the persistent one."""
@@ -662,7 +720,12 @@ class ModelRunner:
             raise ValueError(f"{layout.num_samples} sequences sample, but {len(sample_req_ids)} request ids were given")
         sampled = self.sampler.sample(logits, sample_req_ids, grammar_bitmasks or None)
         a, b = layout.offsets()["sampled_rows"]
-        self.batch.last_sampled_dev.index_copy_(0, staged[a:b], sampled.device_ids.view(-1).long())
+        ids = sampled.device_ids.view(-1).long()
+        self.batch.last_sampled_dev.index_copy_(0, staged[a:b], ids)
+        drafts = self.batch.device_drafts
+        if drafts is not None:  # the histories grow by the sampled ids; the next drafts follow
+            drafts.record(staged[a:b], ids[:, None], torch.ones_like(ids))
+            drafts.propose(staged[a:b], self._history_width)
         return sampled
 
     # ---- CUDA graphs -----------------------------------------------------------------

@@ -22,8 +22,13 @@ from __future__ import annotations
 
 import heapq
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from tidal_engine.spec_decode.device_drafts import DeviceDrafts
 
 
 class PersistentBatch:
@@ -49,6 +54,9 @@ class PersistentBatch:
         self.block_table_dev = torch.zeros((1, w), dtype=torch.int64, device=device)
         self.last_sampled_dev = torch.zeros(1, dtype=torch.int64, device=device)
         self.row_of: dict[str, int] = {}
+        # Async scheduling with speculation: each row's history, drafts and last accepted count
+        # on the device (spec_decode/device_drafts.py); None otherwise.
+        self.device_drafts: DeviceDrafts | None = None
         self._free: list[int] = []  # a heap: low rows first, so live rows stay packed
         # Block-table changes not yet on the device: flat indices and values, in order.
         self._bt_index: list[np.ndarray] = []
@@ -98,6 +106,8 @@ class PersistentBatch:
         n = len(token_ids)
         self.ensure_token_capacity(n)
         self.token_ids[row, :n] = token_ids
+        if self.device_drafts is not None:
+            self.device_drafts.add_row(row, token_ids)
         self.num_tokens[row] = n
         self.num_blocks[row] = 0
         self.replace_blocks(row, block_ids)

@@ -6,8 +6,11 @@ The forward replays a verify graph (runner/mixed_graphs.py ``VerifyGraphs``: row
 k + 1 tokens, the multi-query decode attention) when every row fits one, else a mixed-step
 graph (a prefill chunk in the batch), else runs eagerly (LoRA rows, no graphs, CPU).
 
-Synchronous by design (the engine turns async scheduling off with speculation): nothing here
-feeds tokens on the device, and the result is read on the host right after.
+With drafts made on the host (a synchronous engine), nothing here feeds tokens on the device
+and the result is read on the host right after. With drafts made on the device (async
+scheduling, ``_verify_on_device``) the drafts are read from the step's inputs, accepted on the
+device, the tokens appended to the device histories and the next drafts proposed, all before
+the host reads anything; the result's copy is started at once and waited for a step later.
 """
 
 from __future__ import annotations
@@ -41,7 +44,24 @@ class VerifiedTokens:
         self._spec, self._spec_pos = spec, spec_pos
         self._greedy = greedy
         self._num_rows = num_rows
+        self._packed: torch.Tensor | None = None  # the spec rows' (emitted, tokens), copied early
+        self._event: torch.cuda.Event | None = None
         self.done = False
+
+    def start_copy(self) -> None:
+        """Start the spec rows' device → host copy now (async scheduling: ``result()`` comes
+        after the next step is queued, and must not wait for it)."""
+        if self._spec is None:
+            return
+        tokens, emitted = self._spec
+        packed = torch.cat([emitted[:, None], tokens], dim=1)
+        if packed.device.type == "cuda":
+            self._packed = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            self._packed.copy_(packed, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._packed = packed
 
     def result(self) -> tuple[list[list[int]], list[None]]:
         out: list[list[int]] = [[] for _ in range(self._num_rows)]
@@ -54,6 +74,12 @@ class VerifiedTokens:
             flat = argmax.tolist()  # one device → host copy
             for pos, first, d in zip(self._spec_pos, firsts, drafts):
                 out[pos] = accept_greedy(flat[first : first + len(d) + 1], d)
+        elif self._packed is not None:
+            if self._event is not None:
+                self._event.synchronize()
+            packed = self._packed.tolist()
+            for pos, row in zip(self._spec_pos, packed):
+                out[pos] = row[1 : 1 + row[0]]
         elif self._spec is not None:
             tokens, emitted = self._spec
             packed = torch.cat([emitted[:, None], tokens], dim=1).cpu().tolist()  # one device → host copy
@@ -63,9 +89,10 @@ class VerifiedTokens:
         return out, []
 
 
-def _stage(runner: ModelRunner, step: StepInput, allow_graphs: bool) -> tuple[StepLayout, Callable[[], torch.Tensor]]:
-    """Stage the step; returns its layout and the forward to launch, which gives the final
-    hidden states (the real tokens first, in the layout's order)."""
+def _stage(runner: ModelRunner, step: StepInput,
+           allow_graphs: bool) -> tuple[StepLayout, torch.Tensor, Callable[[], torch.Tensor]]:
+    """Stage the step; returns its layout, the staged buffer and the forward to launch, which
+    gives the final hidden states (the real tokens first, in the layout's order)."""
     width = runner._width(step)
     verify = runner.verify_graphs if allow_graphs else None
     bucket = None
@@ -74,16 +101,16 @@ def _stage(runner: ModelRunner, step: StepInput, allow_graphs: bool) -> tuple[St
     if bucket is not None:
         assert verify is not None
         layout, staged = runner._stage(step, width, verify.seqs_for(bucket), bucket)
-        return layout, lambda: verify.replay(bucket, staged, runner._block_tables(layout, staged))
+        return layout, staged, lambda: verify.replay(bucket, staged, runner._block_tables(layout, staged))
     mixed = runner._mixed_bucket(step, width) if allow_graphs else None
     if mixed is not None:
         graphs = runner.mixed_graphs
         assert graphs is not None
         layout, staged = runner._stage(step, width, graphs.seqs_for(mixed), mixed)
-        return layout, lambda: graphs.replay(mixed, staged, runner._block_tables(layout, staged))
+        return layout, staged, lambda: graphs.replay(mixed, staged, runner._block_tables(layout, staged))
     layout, staged = runner._stage(step, width, None)
     ids, positions, meta, _ = runner._views(layout, staged)
-    return layout, lambda: runner.model(ids, positions, runner.kv_caches, meta)
+    return layout, staged, lambda: runner.model(ids, positions, runner.kv_caches, meta)
 
 
 class _VerifyIndex:
@@ -133,11 +160,20 @@ def execute_verify(
     grammar_bitmasks: dict[str, bytes] | None,
     allow_graphs: bool = True,
 ) -> VerifiedTokens | None:
-    layout, forward = _stage(runner, step, allow_graphs)
+    if runner.batch.device_drafts is not None:
+        # Rows whose drafts the device makes (placeholders in the plan) take their input token
+        # from the device too, however much of their history this worker has recorded.
+        on_device = np.fromiter((bool(d) and d[0] < 0 for d in drafts), dtype=bool, count=len(drafts))
+        if on_device.any():
+            step.fed = step.fed.copy()
+            step.fed[np.flatnonzero(step.samples)[on_device]] = True
+    layout, staged, forward = _stage(runner, step, allow_graphs)
     hidden = forward()  # queued first: the verification's indices are built while it runs
     if not layout.num_samples:
         return None
     index = _VerifyIndex(layout.sample_rows, drafts)
+    if runner.batch.device_drafts is not None:
+        return _verify_on_device(runner, layout, staged, hidden, index, sample_req_ids, grammar_bitmasks)
     sampler = runner.sampler
     plain_pos, spec_pos = index.plain_pos.tolist(), index.spec_pos.tolist()
     options = [sampler.options_of(sample_req_ids[i]) for i in spec_pos]
@@ -184,3 +220,72 @@ def execute_verify(
         for i in spec_pos:  # the worker adds the rest once it knows how many were emitted
             sampler.count_extra(sample_req_ids[i], 1)
     return VerifiedTokens(plain, plain_pos, spec, spec_pos, len(drafts), greedy_host)
+
+
+def _verify_on_device(runner: ModelRunner, layout: StepLayout, staged: torch.Tensor, hidden: torch.Tensor,
+                      index: _VerifyIndex, sample_req_ids: list[str],
+                      grammar_bitmasks: dict[str, bytes] | None) -> VerifiedTokens:
+    """Drafts made on the device (async scheduling): the drafts are read from the step's input
+    ids (the host never saw a fed row's drafts), accepted on the device, and every sampling
+    row's tokens go into the device histories, with the next drafts proposed from them, before
+    anything is read back; the host copy of the result is started here and waited for later."""
+    device = runner.device
+    sampler = runner.sampler
+    drafts_state = runner.batch.device_drafts
+    assert drafts_state is not None
+    plain_pos, spec_pos = index.plain_pos.tolist(), index.spec_pos.tolist()
+    k, r = index.k, len(spec_pos)
+    options = [sampler.options_of(sample_req_ids[i]) for i in spec_pos]
+    greedy = np.asarray([o.temperature < GREEDY_EPS for o in options], dtype=bool)
+    sampled_rows = np.flatnonzero(~greedy)
+    # Each drafting row's draft positions in the flat batch (a row with fewer than k repeats its last).
+    first_draft = layout.sample_rows[index.spec_pos] - index.num_drafts + 1
+    draft_rows = first_draft[:, None] + np.minimum(np.arange(k), np.maximum(index.num_drafts - 1, 0)[:, None])
+    extra = [draft_rows.reshape(-1), index.plain_pos, index.spec_pos, greedy.astype(np.int64), sampled_rows]
+    rows_t, plain_index, spec_index_t, _, nd_t = index.upload(device)
+    flat = torch.from_numpy(np.concatenate(extra).astype(np.int64))  # one copy, never a pageable one
+    flat = flat.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else flat.to(device)
+    draft_rows_t, plain_pos_t, spec_pos_t, greedy_t, sampled_rows_t = torch.split(flat, [len(x) for x in extra])
+    a, b = layout.offsets()["input_ids"]
+    draft_ids = staged[a:b].index_select(0, draft_rows_t).view(r, k)
+    logits = runner.model.compute_logits(hidden.index_select(0, rows_t))
+    sa, sb = layout.offsets()["sampled_rows"]
+    sampling_rows = staged[sa:sb]  # persistent-batch rows, in sample order
+    plain = None
+    if plain_pos:
+        plain_ids = [sample_req_ids[i] for i in plain_pos]
+        masks = {rid: m for rid, m in (grammar_bitmasks or {}).items() if rid in plain_ids} or None
+        plain = sampler.sample(logits.index_select(0, plain_index), plain_ids, masks)
+        ids = plain.device_ids.view(-1).long()
+        plain_rows = sampling_rows.index_select(0, plain_pos_t)
+        runner.batch.last_sampled_dev.index_copy_(0, plain_rows, ids)
+        drafts_state.record(plain_rows, ids[:, None], torch.ones_like(ids))
+    spec = None
+    if spec_pos:
+        vocab = logits.shape[1]
+        if greedy.all():  # the argmax chain: accept while the draft is the argmax
+            best = logits.argmax(dim=1).index_select(0, spec_index_t).view(r, k + 1)
+            match = (best[:, :k] == draft_ids) & (torch.arange(k, device=device)[None, :] < nd_t[:, None])
+            emitted = match.long().cumprod(dim=1).sum(dim=1) + 1
+            tokens = best
+        else:
+            probs = logits.index_select(0, spec_index_t).view(r, k + 1, vocab)
+            rep = k + 1
+            o = [options[j] for j in sampled_rows.tolist()]
+            dist = filtered_probs(probs.index_select(0, sampled_rows_t).reshape(-1, vocab),
+                                  [x.temperature for x in o for _ in range(rep)],
+                                  [x.top_k for x in o for _ in range(rep)], [x.top_p for x in o for _ in range(rep)],
+                                  [x.min_p for x in o for _ in range(rep)])
+            probs.index_copy_(0, sampled_rows_t, dist.view(len(o), rep, vocab))
+            tokens, emitted = rejection_sample(probs, draft_ids, nd_t, greedy_t.bool(), generator=sampler.generator)
+        spec_rows = sampling_rows.index_select(0, spec_pos_t)
+        last = tokens.gather(1, (emitted - 1)[:, None]).view(-1)
+        runner.batch.last_sampled_dev.index_copy_(0, spec_rows, last)
+        drafts_state.record(spec_rows, tokens, emitted)
+        spec = (tokens, emitted)
+        for i in spec_pos:  # the worker adds the rest once it knows how many were emitted
+            sampler.count_extra(sample_req_ids[i], 1)
+    drafts_state.propose(sampling_rows, runner._history_width)
+    result = VerifiedTokens(plain, plain_pos, spec, spec_pos, len(sample_req_ids))
+    result.start_copy()
+    return result

@@ -55,6 +55,15 @@ class SpeculativeConfig:
         return cls(method=method, num_speculative_tokens=k, prompt_lookup_min=lo, prompt_lookup_max=hi)
 
 
+def drafts_on_device(spec: SpeculativeConfig | None, async_scheduling: bool | None, device_type: str) -> bool:
+    """Whether drafts are made on the device (async scheduling with speculation): n-gram lookup
+    under async scheduling (default on CUDA). The engine core and the runners decide alike.
+    A draft model proposes on the host, so it keeps the engine synchronous."""
+    if spec is None or spec.method != "ngram":
+        return False
+    return async_scheduling if async_scheduling is not None else device_type == "cuda"
+
+
 def _int(value: dict[str, Any], key: str, default: Any) -> int:
     got = value.get(key, default)
     if got is None:

@@ -204,7 +204,9 @@ class Worker:
         num_tokens = self.batch.num_tokens
         for s in plan.scheduled:
             state = self._requests.get(s.req_id)
-            if state is not None and s.num_computed_tokens + s.num_new_tokens > int(num_tokens[state.row]) + 1:
+            # (drafts sit past the known tokens; they are not history this rank lacks)
+            ends = s.num_computed_tokens + s.num_new_tokens - len(s.draft_token_ids)
+            if state is not None and ends > int(num_tokens[state.row]) + 1:
                 return True
         return False
 
