@@ -1,8 +1,9 @@
 """Why is offline sampled 256 x (256 -> 128) slower than greedy on the same engine (issue 13)?
 
-Runs the workload of `gpu_bench.py --suite sampled` in the order sampled, greedy, sampled, on one
-LLM, and records for each run the throughput, the host time split of gpu_bench's StepCounter and
-the CUDA caching allocator's counters (device mallocs/frees and retries: each can stall the host).
+Runs the workload of `gpu_bench.py --suite sampled` in the order sampled, greedy, sampled, greedy
+(fresh prompts each time) on one LLM, and records for each run the throughput, the host time split
+of gpu_bench's StepCounter, the CUDA caching allocator's counters (device mallocs/frees and
+retries: each can stall the host) and the Triton kernels compiled during the run.
 A fourth sampled run goes through torch.profiler: the CUDA runtime calls the host spent most time
 in, and how long the GPU sat idle between kernels (gaps over 0.2 ms, summed).
 
@@ -25,6 +26,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_bench as gb  # noqa: E402
 
 ALLOCATOR_KEYS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
+COMPILES: list[list[Any]] = []  # [kernel, start, seconds]: Triton JIT compiles (or disk-cache loads)
+
+
+def watch_triton_compiles() -> None:
+    from triton import knobs
+
+    def before(*args: Any, **kwargs: Any) -> bool:
+        COMPILES.append([str(kwargs.get("repr", "?"))[:160], time.perf_counter(), None])
+        return False  # go on and compile
+
+    def after(*args: Any, **kwargs: Any) -> bool:
+        if COMPILES and COMPILES[-1][2] is None:
+            COMPILES[-1][2] = time.perf_counter() - COMPILES[-1][1]
+        return False
+
+    knobs.runtime.jit_cache_hook = before
+    knobs.runtime.jit_post_compile_hook = after
 
 
 def allocator_counts() -> dict[str, int]:
@@ -36,9 +54,13 @@ def run(llm: Any, shape: str, counter: Any, seed: int, sampling: dict[str, Any] 
     vocab = gb.SHAPES[shape]["vocab_size"]
     prompts = gb.rand_prompts(256, [256] * 256, seed, vocab)
     before = allocator_counts()
+    compiles_before = len(COMPILES)
     result = gb.bench_throughput(llm, shape, prompts, [128] * 256, counter, sampling)
     after = allocator_counts()
     result["allocator_delta"] = {k: after[k] - before[k] for k in ALLOCATOR_KEYS}
+    new = COMPILES[compiles_before:]
+    result["triton_compiles"] = {"count": len(new), "seconds": sum(c[2] or 0.0 for c in new),
+                                 "kernels": [[c[0], c[2]] for c in new]}
     return result
 
 
@@ -94,12 +116,15 @@ def main() -> None:
     def save() -> None:
         out.write_text(json.dumps(results, indent=1, default=str))
 
+    watch_triton_compiles()
     folder = gb.make_model_folder(args.shape, Path(args.models))
     llm, construct_s = gb.make_llm(folder)
     results["llm_construct_s"] = construct_s
+    results["triton_compiles_at_start"] = len(COMPILES)
     counter = gb.StepCounter(llm.engine.runner)
+    # Fresh prompts for every run (the same ones again would hit the prefix cache).
     for name, seed, sampling in (("sampled_first", 11, gb.SAMPLED), ("greedy", 13, None),
-                                 ("sampled_second", 11, gb.SAMPLED)):
+                                 ("sampled_second", 15, gb.SAMPLED), ("greedy_second", 17, None)):
         gb.run_guarded(results, name, lambda s=seed, p=sampling: run(llm, args.shape, counter, s, p), save)
     gb.run_guarded(results, "sampled_profiled", lambda: profiled_run(llm, args.shape, counter), save)
     save()
