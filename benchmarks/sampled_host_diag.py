@@ -99,11 +99,34 @@ def profiled_run(llm: Any, shape: str, counter: Any) -> dict[str, Any]:
     return result
 
 
+def cprofiled_run(llm: Any, shape: str, counter: Any, seed: int, sampling: dict[str, Any] | None,
+                  out: Path) -> dict[str, Any]:
+    """One run under cProfile (the host slows ~2x, so the run is host-bound throughout): where the
+    engine's host time goes, written to ``out`` by own and by cumulative time."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    result = run(llm, shape, counter, seed, sampling)
+    prof.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text)
+    stats.sort_stats("tottime").print_stats(45)
+    stats.sort_stats("cumtime").print_stats(60)
+    out.write_text(text.getvalue())
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", choices=sorted(gb.SHAPES), default="qwen3-8b")
     ap.add_argument("--models", default="/tmp/tidal-bench-models")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--cprofile", action="store_true",
+                    help="instead: a warm-up greedy run, then a sampled and a greedy run under cProfile "
+                         "(their profiles next to --out)")
     args = ap.parse_args()
     results: dict[str, Any] = {
         "benchmark": "sampled_host_diag", "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
@@ -122,6 +145,15 @@ def main() -> None:
     results["llm_construct_s"] = construct_s
     results["triton_compiles_at_start"] = len(COMPILES)
     counter = gb.StepCounter(llm.engine.runner)
+    if args.cprofile:
+        gb.run_guarded(results, "greedy_warm_up", lambda: run(llm, args.shape, counter, 31, None), save)
+        for name, seed, sampling in (("sampled_cprofile", 33, gb.SAMPLED), ("greedy_cprofile", 35, None)):
+            target = out.with_name(f"{out.stem}_{name}.txt")
+            gb.run_guarded(results, name, lambda s=seed, p=sampling, t=target: cprofiled_run(
+                llm, args.shape, counter, s, p, t), save)
+        save()
+        print("done", out, flush=True)
+        return
     # Fresh prompts for every run (the same ones again would hit the prefix cache).
     for name, seed, sampling in (("sampled_first", 11, gb.SAMPLED), ("greedy", 13, None),
                                  ("sampled_second", 15, gb.SAMPLED), ("greedy_second", 17, None)):
