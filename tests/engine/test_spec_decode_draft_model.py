@@ -183,3 +183,22 @@ def test_the_draft_pool_rolls_back_by_prefix_and_evicts_idle_states() -> None:
     assert pool.reserve("b", 8, keep={"b"}) and pool.num_free_blocks == 2  # "a" was idle: evicted
     pool.release("b")
     assert pool.num_free_blocks == 4
+
+
+def test_the_draft_model_resolves_through_the_engines_cache_dir(folders: dict[str, Path], tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GGUF draft keeps its index and tokenizer in the engine's start-up cache (--cache-dir),
+    like the target."""
+    from tidal_engine.spec_decode import draft_model_proposer
+
+    resolved: list[tuple[str, object]] = []
+    real_resolve = draft_model_proposer.resolve_model
+
+    def recording_resolve(model: str, cache_dir: object = None) -> object:
+        resolved.append((model, cache_dir))
+        return real_resolve(model, cache_dir)
+
+    monkeypatch.setattr(draft_model_proposer, "resolve_model", recording_resolve)
+    llm = make_llm(folders["target"], folders["near"], cache_dir=str(tmp_path))
+    assert resolved == [(str(folders["near"]), str(tmp_path))]
+    assert llm.engine.core.config.cache_dir == str(tmp_path)

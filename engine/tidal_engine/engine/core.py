@@ -203,7 +203,7 @@ class EngineCore:
             self.proposer = build_proposer(
                 self.speculative, target_vocab_size=self.vocab_size, target_tokenizer=self.tokenizer,
                 dtype=self.dtype, device=self.device, block_size=config.block_size,
-                max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len)
+                max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len, cache_dir=config.cache_dir)
         started = time.perf_counter()
         self.executor = executor or build_executor(config, self.source, self.device, self.dtype)
         self.startup_seconds["executor"] = time.perf_counter() - started  # the workers' start-up

@@ -31,13 +31,13 @@ DRAFT_KV_BYTES = 256 << 20  # the draft pool's ceiling; rows that find no room g
 class DraftModelProposer:
     def __init__(self, model: str, num_speculative_tokens: int, *, target_vocab_size: int, target_tokenizer: Any,
                  dtype: torch.dtype, device: torch.device, block_size: int, max_num_seqs: int,
-                 max_model_len: int) -> None:
-        source = resolve_model(model)  # the target's own path/alias checks
+                 max_model_len: int, cache_dir: str | None = None) -> None:
+        source = resolve_model(model, cache_dir)  # the target's own path/alias checks; its start-up cache
         vocab = source.arch_config.vocab_size
         if vocab != target_vocab_size:
             raise ValueError(f"the draft model {model!r} has {vocab} logits, the target {target_vocab_size}: "
                              "a draft model must share the target's tokenizer and vocabulary")
-        if target_tokenizer is not None and source.load_tokenizer().get_vocab() != target_tokenizer.get_vocab():
+        if target_tokenizer is not None and source.load_tokenizer(cache_dir).get_vocab() != target_tokenizer.get_vocab():
             raise ValueError(f"the draft model {model!r} has a different tokenizer vocabulary from the target's: "
                              "a draft model must share the target's tokenizer")
         self.num_speculative_tokens = num_speculative_tokens

@@ -34,7 +34,8 @@ class Proposer(Protocol):
 
 
 def build_proposer(spec: SpeculativeConfig, *, target_vocab_size: int, target_tokenizer: Any, dtype: torch.dtype,
-                   device: torch.device, block_size: int, max_num_seqs: int, max_model_len: int) -> Proposer:
+                   device: torch.device, block_size: int, max_num_seqs: int, max_model_len: int,
+                   cache_dir: str | None = None) -> Proposer:
     """The proposer a --speculative-config names (ValueError on a draft model that does not fit)."""
     if spec.method == "ngram":
         from tidal_engine.spec_decode.ngram_proposer import NgramProposer
@@ -45,4 +46,4 @@ def build_proposer(spec: SpeculativeConfig, *, target_vocab_size: int, target_to
     assert spec.model is not None  # SpeculativeConfig.parse guarantees it
     return DraftModelProposer(spec.model, spec.num_speculative_tokens, target_vocab_size=target_vocab_size,
                               target_tokenizer=target_tokenizer, dtype=dtype, device=device, block_size=block_size,
-                              max_num_seqs=max_num_seqs, max_model_len=max_model_len)
+                              max_num_seqs=max_num_seqs, max_model_len=max_model_len, cache_dir=cache_dir)
