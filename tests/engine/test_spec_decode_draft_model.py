@@ -12,6 +12,7 @@ import torch
 
 from tidal_engine import LLM, SamplingParams
 
+from pair_statistics import assert_pairs_follow, expected_pairs
 from tiny_models import make_tiny_model
 from tiny_tokenizer import EOS_ID, SAMPLE_PROMPTS, save_byte_tokenizer
 
@@ -94,12 +95,6 @@ def test_a_different_draft_gives_mixed_acceptance_and_the_same_tokens(
     assert llm.engine.get_stats().spec_decode_num_drafts > before
 
 
-def chi_square_critical_999(df: int) -> float:
-    """The chi-square critical value at p = 0.001 (Wilson-Hilferty; within 1% for df >= 3)."""
-    h = 2 / (9 * df)
-    return df * (1 - h + 3.090 * h ** 0.5) ** 3
-
-
 def test_sampled_rows_keep_the_target_distribution(folders: dict[str, Path]) -> None:
     """(t1, t2) of top-k = 4 sampling: t2 comes from a verify step (one draft, or its rejection),
     and the pairs follow the target's exact joint distribution (chi-square, p = 0.001, fixed seed)."""
@@ -107,31 +102,13 @@ def test_sampled_rows_keep_the_target_distribution(folders: dict[str, Path]) -> 
 
     prompt, samples, top_k = [5, 17, 42, 99], 800, 4
     hf = AutoModelForCausalLM.from_pretrained(folders["target"], dtype=torch.float32).eval()
-
-    def dist(ids: list[int]) -> torch.Tensor:
-        with torch.no_grad():
-            logits = hf(torch.tensor([ids])).logits[0, -1]
-        top = logits.topk(top_k)
-        return torch.zeros_like(logits).index_put_((top.indices,), top.values.softmax(0))
-
-    p1 = dist(prompt)
-    expected = {(a, b): samples * float(p1[a]) * float(pb)
-                for a in p1.nonzero().flatten().tolist() for b, pb in enumerate(dist(prompt + [a])) if pb > 0}
+    expected = expected_pairs(hf, prompt, top_k, samples)
     llm = make_llm(folders["target"], folders["near"], k=2)
     params = SamplingParams(temperature=1.0, top_k=top_k, max_tokens=3, ignore_eos=True)
     outputs = llm.generate([list(prompt) for _ in range(samples)], params)
     stats = llm.engine.get_stats()
     assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
-    counts: dict[tuple[int, int], int] = {}
-    for o in outputs:
-        pair = tuple(o.outputs[0].token_ids[:2])
-        counts[pair] = counts.get(pair, 0) + 1
-    assert set(counts) <= set(expected)  # nothing outside the top-k support
-    big = [c for c, e in expected.items() if e >= 5]  # cells with few expected samples pooled into one
-    observed = [counts.get(c, 0) for c in big] + [samples - sum(counts.get(c, 0) for c in big)]
-    wanted = [expected[c] for c in big] + [samples - sum(expected[c] for c in big)]
-    stat = sum((o - e) ** 2 / e for o, e in zip(observed, wanted) if e > 0)
-    assert stat < chi_square_critical_999(len(big)), (stat, len(big))
+    assert_pairs_follow(outputs, expected, samples)
 
 
 def test_preemption_and_aborts_mid_speculation(folders: dict[str, Path], reference: list[list[int]]) -> None:

@@ -13,6 +13,7 @@ import torch
 from tidal_engine import LLM, SamplingParams
 from tidal_engine.server.metrics import ServerMetrics, metric_value
 
+from pair_statistics import assert_pairs_follow, top_k_distribution
 from tiny_models import make_tiny_model
 from tiny_tokenizer import EOS_ID, SAMPLE_PROMPTS, save_byte_tokenizer
 
@@ -202,20 +203,13 @@ def test_sampled_rows_keep_the_target_distribution(model_dir: Path, async_schedu
     """(t1, t2) of top-k = 4 sampling, t2 from a verify step whose draft is the likeliest t2
     (a table proposer; on the device with async scheduling): the pairs follow the target's exact
     joint distribution (chi-square, p = 0.001, fixed seed), and some drafts are accepted."""
-    from test_spec_decode_draft_model import chi_square_critical_999
     from transformers import AutoModelForCausalLM
 
     prompt, samples, top_k = [5, 17, 42, 99], 600, 4
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
-    def dist(ids: list[int]) -> torch.Tensor:
-        with torch.no_grad():
-            logits = hf(torch.tensor([ids])).logits[0, -1]
-        top = logits.topk(top_k)
-        return torch.zeros_like(logits).index_put_((top.indices,), top.values.softmax(0))
-
-    p1 = dist(prompt)
-    second = {a: dist(prompt + [a]) for a in p1.nonzero().flatten().tolist()}
+    p1 = top_k_distribution(hf, prompt, top_k)
+    second = {a: top_k_distribution(hf, prompt + [a], top_k) for a in p1.nonzero().flatten().tolist()}
     expected = {(a, b): samples * float(p1[a]) * float(pb)
                 for a, p2 in second.items() for b, pb in enumerate(p2) if pb > 0}
     table = torch.zeros(p1.shape[0], dtype=torch.int64)  # last token -> its likeliest successor
@@ -231,16 +225,7 @@ def test_sampled_rows_keep_the_target_distribution(model_dir: Path, async_schedu
     outputs = llm.generate([list(prompt) for _ in range(samples)], params)
     stats = llm.engine.get_stats()
     assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
-    counts: dict[tuple[int, int], int] = {}
-    for o in outputs:
-        pair = tuple(o.outputs[0].token_ids[:2])
-        counts[pair] = counts.get(pair, 0) + 1
-    assert set(counts) <= set(expected)  # nothing outside the top-k support
-    big = [c for c, e in expected.items() if e >= 5]  # cells with few expected samples pooled into one
-    observed = [counts.get(c, 0) for c in big] + [samples - sum(counts.get(c, 0) for c in big)]
-    wanted = [expected[c] for c in big] + [samples - sum(expected[c] for c in big)]
-    stat = sum((o - e) ** 2 / e for o, e in zip(observed, wanted) if e > 0)
-    assert stat < chi_square_critical_999(len(big)), (stat, len(big))
+    assert_pairs_follow(outputs, expected, samples)
 
 
 class TableProposer:
