@@ -206,20 +206,27 @@ def execute_verify(
         else:
             probs = logits.index_select(0, spec_index_t).view(r, k + 1, vocab)
             sampled_rows = [j for j, g in enumerate(greedy) if not g]
-            # The target's filtered distribution, as the plain sampler draws from (greedy rows
-            # keep their logits: only their argmax is read).
-            flat = probs[sampled_rows].reshape(-1, vocab)
-            rep = k + 1
-            o = [options[j] for j in sampled_rows]
-            dist = filtered_probs(flat, [x.temperature for x in o for _ in range(rep)],
-                                  [x.top_k for x in o for _ in range(rep)], [x.top_p for x in o for _ in range(rep)],
-                                  [x.min_p for x in o for _ in range(rep)])
-            probs[sampled_rows] = dist.view(len(sampled_rows), rep, vocab)
-            greedy_t = torch.as_tensor(greedy, device=logits.device)
-            spec = rejection_sample(probs, draft_ids_t, nd_t, greedy_t, generator=sampler.generator)
+            spec = _accept(probs, torch.as_tensor(sampled_rows, device=logits.device),
+                           [options[j] for j in sampled_rows], draft_ids_t, nd_t,
+                           torch.as_tensor(greedy, device=logits.device), sampler.generator)
         for i in spec_pos:  # the worker adds the rest once it knows how many were emitted
             sampler.count_extra(sample_req_ids[i], 1)
     return VerifiedTokens(plain, plain_pos, spec, spec_pos, len(drafts), greedy_host)
+
+
+def _accept(probs: torch.Tensor, sampled_index: torch.Tensor, sampled_options: list, draft_ids: torch.Tensor,
+            num_drafts: torch.Tensor, greedy: torch.Tensor,
+            generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rejection sampling of the drafting rows ``probs`` [r, k + 1, V] (their logits): the
+    sampled rows (``sampled_index``) first get the target's filtered distribution, as the plain
+    sampler draws from; greedy rows keep their logits (only their argmax is read)."""
+    _, rep, vocab = probs.shape
+    o = sampled_options
+    dist = filtered_probs(probs.index_select(0, sampled_index).reshape(-1, vocab),
+                          [x.temperature for x in o for _ in range(rep)], [x.top_k for x in o for _ in range(rep)],
+                          [x.top_p for x in o for _ in range(rep)], [x.min_p for x in o for _ in range(rep)])
+    probs.index_copy_(0, sampled_index, dist.view(len(o), rep, vocab))
+    return rejection_sample(probs, draft_ids, num_drafts, greedy, generator=generator)
 
 
 def _verify_on_device(runner: ModelRunner, layout: StepLayout, staged: torch.Tensor, hidden: torch.Tensor,
@@ -270,14 +277,8 @@ def _verify_on_device(runner: ModelRunner, layout: StepLayout, staged: torch.Ten
             tokens = best
         else:
             probs = logits.index_select(0, spec_index_t).view(r, k + 1, vocab)
-            rep = k + 1
-            o = [options[j] for j in sampled_rows.tolist()]
-            dist = filtered_probs(probs.index_select(0, sampled_rows_t).reshape(-1, vocab),
-                                  [x.temperature for x in o for _ in range(rep)],
-                                  [x.top_k for x in o for _ in range(rep)], [x.top_p for x in o for _ in range(rep)],
-                                  [x.min_p for x in o for _ in range(rep)])
-            probs.index_copy_(0, sampled_rows_t, dist.view(len(o), rep, vocab))
-            tokens, emitted = rejection_sample(probs, draft_ids, nd_t, greedy_t.bool(), generator=sampler.generator)
+            tokens, emitted = _accept(probs, sampled_rows_t, [options[j] for j in sampled_rows.tolist()], draft_ids,
+                                      nd_t, greedy_t.bool(), sampler.generator)
         spec_rows = sampling_rows.index_select(0, spec_pos_t)
         last = tokens.gather(1, (emitted - 1)[:, None]).view(-1)
         runner.batch.last_sampled_dev.index_copy_(0, spec_rows, last)
