@@ -113,6 +113,33 @@ class StepEvents:
                 "other": part([r for r in rows if not r["decode"]])}
 
 
+class CollectorWatch:
+    """Python's garbage collections during a run: how many of each generation, and their time."""
+
+    def __init__(self) -> None:
+        import gc
+
+        self._gc = gc
+        self._start = 0.0
+        self.collections: list[tuple[int, float]] = []
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.collections.append((int(info["generation"]), time.perf_counter() - self._start))
+
+    def summary(self) -> dict[str, Any]:
+        self._gc.callbacks.remove(self._callback)
+        by_gen: dict[str, Any] = {}
+        for gen in (0, 1, 2):
+            times = [t for g, t in self.collections if g == gen]
+            by_gen[f"gen{gen}"] = {"count": len(times), "total_ms": 1e3 * sum(times),
+                                   "max_ms": 1e3 * max(times, default=0.0)}
+        return {**by_gen, "frozen_objects": self._gc.get_freeze_count()}
+
+
 def sampler_micro(vocab: int, rows: int, sampling: dict[str, Any] | None, calls: int = 200) -> dict[str, Any]:
     """Sampler.sample alone: host µs per call (to return) and device µs per call."""
     from tidal_engine.executor.plan import SamplingOptions
@@ -177,12 +204,15 @@ def main() -> None:
                                  ("sampled_again", 47, gb.SAMPLED)):
         def one(s: int = seed, p: dict[str, Any] | None = sampling) -> dict[str, Any]:
             events = StepEvents(llm.engine.runner, counter)
+            collector = CollectorWatch()
             try:
                 result = gb.bench_throughput(llm, args.shape, gb.rand_prompts(256, [256] * 256, s, vocab),
                                              [128] * 256, counter, p)
                 result["timeline"] = events.summary()
             finally:
                 events.restore()
+                result_gc = collector.summary()
+            result["collector"] = result_gc
             return result
         gb.run_guarded(results, name, one, save)
     save()

@@ -56,7 +56,7 @@ from tidal_engine.core.scheduler import (
     SchedulerOutput,
     default_max_num_batched_tokens,
 )
-from tidal_engine.engine.collector import collector_paused
+from tidal_engine.engine.collector import collector_paused, freeze_heap, unfreeze_heap
 from tidal_engine.engine.messages import CoreStats, SampleDelta, sample_request_id
 from tidal_engine.engine.tokenizer_load import TokenizerLoad
 from tidal_engine.executor.base import Executor, PendingStep
@@ -164,6 +164,9 @@ class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
         with collector_paused():  # nothing built here is garbage (engine/collector.py)
             self._build(config, executor)
+        self._heap_frozen = self.device.type == "cuda"  # a full collection would stall the GPU
+        if self._heap_frozen:
+            freeze_heap()
 
     def _build(self, config: EngineConfig, executor: Executor | None) -> None:
         started = time.perf_counter()
@@ -897,6 +900,9 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+        if self._heap_frozen:
+            unfreeze_heap()
+            self._heap_frozen = False
 
 
 def check_prompt(token_ids: list[int], vocab_size: int, max_model_len: int) -> None:
