@@ -44,6 +44,9 @@ def operator_arg_parser() -> argparse.ArgumentParser:
                    help="a directory file:// adapters may come from (repeatable; default none)")
     p.add_argument("--resync-seconds", type=float, default=60.0,
                    help="the safety-net resync of every LLMService (unsettled ones: every 5s)")
+    p.add_argument("--pre-stop-sleep-seconds", type=int, default=None, metavar="S",
+                   help="how long an engine Pod's preStop hook waits before SIGTERM, so endpoints and routers "
+                        "stop sending to it first (default 5)")
     p.add_argument("--liveness", default=None, metavar="URL",
                    help="kopf's liveness endpoint, for example http://0.0.0.0:8081/healthz")
     p.add_argument("--verbose", "-v", action="store_true")
@@ -57,7 +60,8 @@ DEFAULT_PEERING = "tidal-operator"
 def run_operator(argv: Sequence[str]) -> int:
     args = operator_arg_parser().parse_args(argv)
     # The handlers read their configuration from the environment (so plain `kopf run` works too).
-    from .controller.env import ENV_ADAPTER_PREFIXES, ENV_DEFAULT_IMAGE, ENV_FILE_ROOTS, ENV_NAMESPACE, ENV_RESYNC
+    from .controller.env import (ENV_ADAPTER_PREFIXES, ENV_DEFAULT_IMAGE, ENV_FILE_ROOTS, ENV_NAMESPACE,
+                                 ENV_PRE_STOP_SLEEP, ENV_RESYNC)
     if args.kubeconfig:
         os.environ["KUBECONFIG"] = os.path.abspath(args.kubeconfig)
     if args.default_engine_image:
@@ -69,6 +73,10 @@ def run_operator(argv: Sequence[str]) -> int:
     if len(args.namespace) == 1:
         os.environ[ENV_NAMESPACE] = args.namespace[0]
     os.environ[ENV_RESYNC] = str(args.resync_seconds)
+    if args.pre_stop_sleep_seconds is not None:
+        if args.pre_stop_sleep_seconds < 0:
+            operator_arg_parser().error("--pre-stop-sleep-seconds must not be negative")
+        os.environ[ENV_PRE_STOP_SLEEP] = str(args.pre_stop_sleep_seconds)
 
     import kopf
 

@@ -215,3 +215,19 @@ def test_engine_command_replaces_only_tidal_engine() -> None:
     assert kubelet.command_line({"command": ["sleep"], "args": ["5"]}) == ["sleep", "5"]
     assert LocalKubelet("http://127.0.0.1:1").command_line(engine) == ["tidal-engine", "serve", "bundled://m",
                                                                        "--port", "8000"]
+
+
+@pytest.mark.slow
+async def test_stopping_the_kubelet_kills_pods_without_their_pre_stop_hooks(cluster: Cluster, tmp_path: Path) -> None:
+    """The whole local cluster is going down, so there is no router to drain away from."""
+    marker = tmp_path / "prestop-ran"
+    await cluster.create("pods", {"metadata": {"name": "idle"}, "spec": {"terminationGracePeriodSeconds": 30, "containers": [{
+        "name": "c", "image": "x", "command": [sys.executable, "-c", "import time; time.sleep(600)"],
+        "lifecycle": {"preStop": {"exec": {"command": [sys.executable, "-c", f"open({str(marker)!r}, 'w')"]}}},
+    }]}})
+    await cluster.wait_pod("idle", lambda p: "running" in ((p or {}).get("status", {}).get("containerStatuses")
+                                                          or [{"state": {}}])[0]["state"])
+    pid = cluster.kubelet.find("default", "idle").pids()["c"]  # type: ignore[union-attr]
+    await cluster.kubelet.stop()
+    assert not pid_alive(pid)
+    assert not marker.exists()

@@ -414,6 +414,17 @@ def test_config_from_env() -> None:
     assert E.config_from_env({}) == OperatorConfig()
 
 
+def test_pre_stop_sleep_from_env_reaches_the_engine_pod_and_bad_values_are_refused() -> None:
+    config = E.config_from_env({E.ENV_PRE_STOP_SLEEP: "1"})
+    assert config.pre_stop_sleep_seconds == 1
+    llm = {**body(), "metadata": {"name": "m", "namespace": NS, "uid": "u1"}}
+    pod = pod_manifest(llm, 0, config)
+    assert pod["spec"]["containers"][0]["lifecycle"]["preStop"] == {"sleep": {"seconds": 1}}
+    for bad in ("-1", "soon"):
+        with pytest.raises(ValueError, match=E.ENV_PRE_STOP_SLEEP):
+            E.config_from_env({E.ENV_PRE_STOP_SLEEP: bad})
+
+
 def test_peering_gate_yields_to_a_live_higher_priority_peer() -> None:
     class FakeKube:
         def __init__(self, status: dict[str, Any]) -> None:

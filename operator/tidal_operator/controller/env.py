@@ -15,6 +15,7 @@ ENV_NAMESPACE = "TIDAL_NAMESPACE"
 ENV_RESYNC = "TIDAL_RESYNC_SECONDS"
 ENV_MAX_GPUS_PER_NODE = "TIDAL_MAX_GPUS_PER_NODE"
 ENV_GPU_SHARE_DEVICE_CLASS = "TIDAL_GPU_SHARE_DEVICE_CLASS"
+ENV_PRE_STOP_SLEEP = "TIDAL_PRE_STOP_SLEEP_SECONDS"
 ENV_KUBECONFIG = "KUBECONFIG"
 
 
@@ -33,7 +34,21 @@ def config_from_env(env: Mapping[str, str] | None = None) -> OperatorConfig:
         namespace=env.get(ENV_NAMESPACE) or None,
         max_gpus_per_node=int(env.get(ENV_MAX_GPUS_PER_NODE) or base.max_gpus_per_node),
         gpu_share_device_class=env.get(ENV_GPU_SHARE_DEVICE_CLASS) or base.gpu_share_device_class,
+        pre_stop_sleep_seconds=_non_negative_int(env, ENV_PRE_STOP_SLEEP, base.pre_stop_sleep_seconds),
     )
+
+
+def _non_negative_int(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(name)
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: expected a whole number of seconds") from None
+    if value < 0:
+        raise ValueError(f"{name}={raw!r}: must not be negative")
+    return value
 
 
 def resync_seconds(env: Mapping[str, str] | None = None) -> float:

@@ -9,7 +9,7 @@ to its node name, and for each one:
 - runs startup/readiness/liveness probes (httpGet, tcpSocket, exec) and reports phase,
   conditions, podIP, containerStatuses and restarts (CrashLoopBackOff with backoff);
 - on deletion runs preStop hooks, SIGTERM, waits the grace period, SIGKILL, then confirms the
-  delete with gracePeriodSeconds=0.
+  delete with gracePeriodSeconds=0 (stopping the kubelet itself skips preStop);
 `fake_ready=True` runs nothing and marks pods Running and Ready at once (benchmarks, unit tests).
 `engine_command` runs that instead of `tidal-engine` (same arguments): engine stand-ins that
 serve HTTP, for benchmarks of the router and operator in front of them.
@@ -350,7 +350,10 @@ class PodRuntime:
             grace = self.pod["spec"].get("terminationGracePeriodSeconds", 30)
         for container in self.containers:
             container.stopping = True
-        await asyncio.gather(*(c.terminate(float(grace)) for c in self.containers), return_exceptions=True)
+        # When the whole local cluster stops, no router is left to drain away from: skip preStop.
+        pre_stop = not self.kubelet.stopping
+        await asyncio.gather(*(c.terminate(float(grace), pre_stop=pre_stop) for c in self.containers),
+                             return_exceptions=True)
         for task in self._supervisors:
             task.cancel()
         await asyncio.gather(*self._supervisors, return_exceptions=True)

@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 Obj = dict[str, Any]
 
 COMPONENTS = ("controlplane", "operator", "router")
+DEV_PRE_STOP_SLEEP_S = 1
 REPO_ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_CRDS = REPO_ROOT / "crds"
 DEFAULT_EXAMPLE = REPO_ROOT / "examples" / "quickstart.yaml"
@@ -319,8 +320,11 @@ def up(options: UpOptions, out: Any = sys.stdout) -> dict[str, Any]:
             operator_env = {"TIDAL_ROUTER_DEMAND_NAMESPACE": DEMAND_NAMESPACE,
                             "TIDAL_ROUTER_NAMESPACE": DEMAND_NAMESPACE}  # and key copies for the router
         roots = [arg for root in options.allowed_file_roots for arg in ("--allowed-file-root", str(root.resolve()))]
+        # One second of preStop is plenty here: the router sees a Pod's deletion through its
+        # watch within milliseconds (a real cluster's endpoint propagation needs the default 5).
         _spawn(paths, "operator", [_python(), "-m", "tidal_operator.cli", "operator", "--standalone",
-                                   "--kubeconfig", str(paths.kubeconfig), "--resync-seconds", "30", *roots],
+                                   "--kubeconfig", str(paths.kubeconfig), "--resync-seconds", "30",
+                                   "--pre-stop-sleep-seconds", str(DEV_PRE_STOP_SLEEP_S), *roots],
                env=operator_env)
         print(f"starting the operator (logs: {paths.log('operator')})", file=out)
 
