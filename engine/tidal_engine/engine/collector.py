@@ -10,6 +10,7 @@ After the build a GPU engine also freezes the heap it leaves: the next full coll
 walk all of it again, and on the H200 that one walk stalled a running 8B batch for 0.27 s (8%
 of the run; benchmarks/results/h200-2026-12-01f-lead). Frozen objects are never walked again.
 Shutting the engine down unfreezes them, so an engine dropped later can still be collected.
+Each API server process freezes its start-up heap the same way while it serves.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from tidal_engine.engine.async_engine import EngineClient
+from tidal_engine.engine.collector import freeze_heap, unfreeze_heap
 from tidal_engine.server.admin import build_admin_router
 from tidal_engine.server.base_app import create_base_app
 from tidal_engine.server.errors import bad_request
@@ -172,7 +173,13 @@ def run_server(engine: EngineClient, settings: ServerSettings, *, reuse_port: bo
     sockets = [_shared_socket(settings.host, settings.port)] if reuse_port else None
     logger.info("starting the server for %s on http://%s:%d", names[0], settings.host, settings.port)
     logger.info("try: %s", hint or curl_hint(settings.host, settings.port, names[0], bool(settings.api_key)))
-    asyncio.run(server.serve(sockets=sockets))
+    # The start-up heap (FastAPI, the tokenizer, transformers) is never garbage: frozen, a full
+    # collection no longer walks it and stalls every stream (engine/collector.py).
+    freeze_heap()
+    try:
+        asyncio.run(server.serve(sockets=sockets))
+    finally:
+        unfreeze_heap()
     if engine.dead_error is not None:
         logger.error("exiting because the engine core died: %s", engine.dead_error)
         return 1
