@@ -181,7 +181,11 @@ def main() -> None:
     ap.add_argument("--shape", choices=sorted(gb.SHAPES), default="qwen3-8b")
     ap.add_argument("--models", default="/tmp/tidal-bench-models")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--runs", default="greedy_warm,sampled,greedy,sampled_again,greedy_512_prompts",
+                    help="which runs, in order (after the sampler micro-benchmark)")
+    ap.add_argument("--no-micro", action="store_true", help="skip the sampler micro-benchmark")
     args = ap.parse_args()
+    wanted = args.runs.split(",")
     results: dict[str, Any] = {
         "benchmark": "step_timeline", "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
         "commit": os.environ.get("TIDAL_COMMIT") or gb.git_commit(),
@@ -194,7 +198,7 @@ def main() -> None:
         out.write_text(json.dumps(results, indent=1, default=str))
 
     vocab = gb.SHAPES[args.shape]["vocab_size"]
-    for name, sampling in (("greedy", None), ("sampled", gb.SAMPLED)):
+    for name, sampling in (() if args.no_micro else (("greedy", None), ("sampled", gb.SAMPLED))):
         gb.run_guarded(results, f"sampler_micro_{name}", lambda s=sampling: sampler_micro(vocab, 256, s), save)
     folder = gb.make_model_folder(args.shape, Path(args.models))
     llm, construct_s = gb.make_llm(folder)
@@ -205,6 +209,8 @@ def main() -> None:
     for name, seed, sampling, n in (("greedy_warm", 41, None, 256), ("sampled", 43, gb.SAMPLED, 256),
                                     ("greedy", 45, None, 256), ("sampled_again", 47, gb.SAMPLED, 256),
                                     ("greedy_512_prompts", 49, None, 512)):
+        if name not in wanted:
+            continue
         def one(s: int = seed, p: dict[str, Any] | None = sampling, n: int = n) -> dict[str, Any]:
             events = StepEvents(llm.engine.runner, counter)
             collector = CollectorWatch()
