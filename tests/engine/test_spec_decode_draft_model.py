@@ -1,7 +1,10 @@
-"""The draft-model proposer on tiny random models: greedy output equals decoding without
-speculation (the target as its own draft accepts every draft; a perturbed copy accepts some),
-sampled rows keep the target's distribution (chi-square), preemption and aborts mid-speculation leave nothing behind, bad drafts are
-refused clearly."""
+"""The draft model (on the worker, its KV in the target's blocks, drafts made on the device) on
+tiny random models, with async scheduling forced on and off: greedy output equals decoding
+without speculation (the target as its own draft accepts every draft, which checks the draft's
+KV and positions; a perturbed copy accepts some) across mixed batches, chunked prefill, prefix
+hits, preemption, aborts, n > 1, stop strings and max_tokens offsets; sampled rows keep the
+target's distribution (chi-square); the KV cache's block count pays for both models; bad drafts
+are refused clearly."""
 
 from __future__ import annotations
 
@@ -38,7 +41,10 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     make_tiny_model("qwen3", other, vocab_size=1024, eos_token_id=EOS_ID, bos_token_id=None,
                     max_position_embeddings=256)
     save_byte_tokenizer(other, vocab_size=1024)
-    return {"target": target, "near": near, "other": other}
+    short = tmp_path_factory.mktemp("spec-draft-short")
+    make_tiny_model("qwen3", short, eos_token_id=EOS_ID, bos_token_id=None, max_position_embeddings=128)
+    save_byte_tokenizer(short, vocab_size=1000)
+    return {"target": target, "near": near, "other": other, "short": short}
 
 
 def make_llm(target: Path, draft: Path | None, k: int = 3, **options: object) -> LLM:
@@ -49,50 +55,79 @@ def make_llm(target: Path, draft: Path | None, k: int = 3, **options: object) ->
 
 
 @pytest.fixture(scope="module")
-def reference(folders: dict[str, Path]) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in make_llm(folders["target"], None).generate(PROMPTS, GREEDY)]
+def plain(folders: dict[str, Path]) -> LLM:
+    return make_llm(folders["target"], None)
 
 
-def draft_pool_is_empty(llm: LLM) -> bool:
-    pool = llm.engine.core.proposer.pool
-    return pool.num_free_blocks == pool.caches[0].shape[1] - 1
+@pytest.fixture(scope="module")
+def reference(plain: LLM) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in plain.generate(PROMPTS, GREEDY)]
 
 
-def test_target_as_its_own_draft_accepts_every_draft(folders: dict[str, Path], reference: list[list[int]]) -> None:
-    llm = make_llm(folders["target"], folders["target"])
-    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
-    stats = llm.engine.get_stats()
-    assert stats.spec_decode_num_drafts > 0
-    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens > 0
-    assert draft_pool_is_empty(llm)  # finished requests gave their draft blocks back
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def self_draft(folders: dict[str, Path], request: pytest.FixtureRequest) -> LLM:
+    """The target as its own draft; async: async scheduling forced on (the CUDA default)."""
+    llm = make_llm(folders["target"], folders["target"], async_scheduling=request.param)
+    assert llm.engine.core.async_scheduling == request.param
+    assert llm.engine.runner.draft is not None and llm.engine.runner.batch.device_drafts is not None
+    return llm
 
 
-def test_stop_strings_n_and_max_tokens_inside_accepted_runs(folders: dict[str, Path],
+def test_target_as_its_own_draft_accepts_every_draft(self_draft: LLM, reference: list[list[int]]) -> None:
+    before = self_draft.engine.get_stats()
+    assert [o.outputs[0].token_ids for o in self_draft.generate(PROMPTS, GREEDY)] == reference
+    # Again: the prompts now hit the prefix cache, whose blocks hold the draft's KV too.
+    assert [o.outputs[0].token_ids for o in self_draft.generate(PROMPTS, GREEDY)] == reference
+    stats = self_draft.engine.get_stats()
+    assert stats.prefix_cache_hits > before.prefix_cache_hits
+    assert stats.spec_decode_num_drafts > before.spec_decode_num_drafts
+    accepted = stats.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
+    drafted = stats.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
+    assert accepted == drafted > 0  # every draft: the draft's KV and positions are the target's
+
+
+def test_stop_strings_n_and_max_tokens_inside_accepted_runs(self_draft: LLM, plain: LLM,
                                                              reference: list[list[int]]) -> None:
-    plain, spec = make_llm(folders["target"], None), make_llm(folders["target"], folders["target"])
     stop = plain.tokenizer.decode(reference[1][9:11])  # ends the second prompt's text inside a run of drafts
-    cases = [SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True, n=2),
-             SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, stop=[stop])]
+    cases = [SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, stop=[stop]),
+             SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True, n=2),
+             *[SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (1, 2, 3, 5)]]
     for params in cases:
         want = [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in plain.generate(PROMPTS[:3], params)]
-        got = [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in spec.generate(PROMPTS[:3], params)]
+        got = [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in self_draft.generate(PROMPTS[:3], params)]
         assert got == want
-    assert want[1][0][2] == "stop"  # the stop string did end the second prompt's sample
-    assert spec.engine.get_stats().spec_decode_num_accepted_tokens > 0
+        if params.stop:
+            assert want[1][0][2] == "stop"  # the stop string did end the second prompt's sample
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_a_different_draft_gives_mixed_acceptance_and_the_same_tokens(
-        folders: dict[str, Path], reference: list[list[int]]) -> None:
-    llm = make_llm(folders["target"], folders["near"])
-    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:4], GREEDY)] == reference[:4]
+        folders: dict[str, Path], reference: list[list[int]], async_scheduling: bool) -> None:
+    # A 9-token step budget: prompts are chunked and ride next to verify rows (mixed batches).
+    llm = make_llm(folders["target"], folders["near"], async_scheduling=async_scheduling, max_num_batched_tokens=9,
+                   max_num_seqs=3)
+    short = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], short)] == [r[:12] for r in reference[:3]]
     stats = llm.engine.get_stats()
     assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
     # Sampled rows verify too (their distribution: test_sampled_rows_keep_the_target_distribution).
     before = stats.spec_decode_num_drafts
-    sampled = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=8, ignore_eos=True)
-    outputs = llm.generate(PROMPTS[:4], sampled)
-    assert all(len(o.outputs[0].token_ids) == 8 for o in outputs)
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=6, ignore_eos=True)
+    outputs = llm.generate(PROMPTS[:3], sampled)
+    assert all(len(o.outputs[0].token_ids) == 6 for o in outputs)
     assert llm.engine.get_stats().spec_decode_num_drafts > before
+
+
+def test_the_kv_cache_pays_for_both_models(folders: dict[str, Path]) -> None:
+    """Each block id holds the target's and the draft's KV: the budget buys fewer blocks."""
+    budget = 3 << 20
+    llm = make_llm(folders["target"], folders["near"], num_gpu_blocks_override=None, kv_cache_memory_bytes=budget)
+    runner = llm.engine.runner
+    assert runner.draft is not None
+    target, draft = runner.kv_spec.bytes_per_block, runner.draft.bytes_per_block
+    assert runner.num_blocks == budget // (target + draft) < budget // target
+    assert llm.engine.core.kv_cache_manager.num_blocks == runner.num_blocks
+    assert all(c.shape[1] == runner.num_blocks for c in runner.draft.caches + runner.kv_caches)
 
 
 def test_sampled_rows_keep_the_target_distribution(folders: dict[str, Path]) -> None:
@@ -103,7 +138,7 @@ def test_sampled_rows_keep_the_target_distribution(folders: dict[str, Path]) -> 
     prompt, samples, top_k = [5, 17, 42, 99], 800, 4
     hf = AutoModelForCausalLM.from_pretrained(folders["target"], dtype=torch.float32).eval()
     expected = expected_pairs(hf, prompt, top_k, samples)
-    llm = make_llm(folders["target"], folders["near"], k=2)
+    llm = make_llm(folders["target"], folders["near"], k=2, async_scheduling=True)
     params = SamplingParams(temperature=1.0, top_k=top_k, max_tokens=3, ignore_eos=True)
     outputs = llm.generate([list(prompt) for _ in range(samples)], params)
     stats = llm.engine.get_stats()
@@ -111,10 +146,12 @@ def test_sampled_rows_keep_the_target_distribution(folders: dict[str, Path]) -> 
     assert_pairs_follow(outputs, expected, samples)
 
 
-def test_preemption_and_aborts_mid_speculation(folders: dict[str, Path], reference: list[list[int]]) -> None:
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_preemption_and_aborts_mid_speculation(folders: dict[str, Path], reference: list[list[int]],
+                                               async_scheduling: bool) -> None:
     # 10 blocks of 16 tokens: the rows cannot all stay resident, so some are preempted mid-run.
-    llm = make_llm(folders["target"], folders["near"], num_gpu_blocks_override=10, max_num_seqs=8,
-                   max_model_len=128)
+    llm = make_llm(folders["target"], folders["target"], num_gpu_blocks_override=10, max_num_seqs=8,
+                   max_model_len=128, async_scheduling=async_scheduling)
     engine = llm.engine
     engine.add_request("aborted", PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))
     for i, prompt in enumerate(PROMPTS):
@@ -126,56 +163,42 @@ def test_preemption_and_aborts_mid_speculation(folders: dict[str, Path], referen
             if out.finished:
                 outputs[out.request_id] = out.outputs[0].token_ids
         if "aborted" in engine.core._parents and engine.get_stats().spec_decode_num_drafts > drafts_before:
-            engine.abort_request("aborted")  # the step just verified drafts; the draft model holds its KV
+            engine.abort_request("aborted")  # the step just verified drafts
     assert "aborted" not in outputs
     assert [outputs[f"kept-{i}"] for i in range(len(PROMPTS))] == reference
-    assert engine.get_stats().num_preemptions > 0
-    assert draft_pool_is_empty(llm)
+    stats = engine.get_stats()
+    assert stats.num_preemptions > 0
+    # A resumed row recomputes the draft's KV with the target's: still every draft accepted.
+    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens > 0
 
 
-@pytest.mark.parametrize("draft, message", [
-    ("other", "must share the target's tokenizer"),
-    ("/nonexistent/draft", "model path does not exist"),
+@pytest.mark.parametrize("draft, message, options", [
+    ("other", "must share the target's tokenizer", {}),
+    ("/nonexistent/draft", "model path does not exist", {}),
+    ("short", "shorter than max_model_len", {}),
+    ("near", "tensor_parallel_size 1 only", {"tensor_parallel_size": 2}),
 ])
-def test_a_bad_draft_model_is_refused(folders: dict[str, Path], draft: str, message: str) -> None:
+def test_a_bad_draft_model_is_refused(folders: dict[str, Path], draft: str, message: str, options: dict) -> None:
     path = folders.get(draft, Path(draft))
     with pytest.raises(ValueError, match=message):
-        make_llm(folders["target"], path)
-
-
-def test_the_draft_pool_rolls_back_by_prefix_and_evicts_idle_states() -> None:
-    import numpy as np
-
-    from tidal_engine.spec_decode.draft_kv import DraftKVPool
-
-    pool = DraftKVPool(num_layers=1, num_blocks=5, block_size=4, num_kv_heads=1, head_dim=2,
-                       dtype=torch.float32, device=torch.device("cpu"))
-    state = pool.state("a")
-    state.tokens = [1, 2, 3, 7, 8]  # 7 and 8 were drafts; the target emitted 4 after 3
-    assert state.rollback_to(np.array([1, 2, 3, 4, 5])) == 3 and state.tokens == [1, 2, 3]
-    assert state.rollback_to(np.array([1, 2, 3])) == 2  # the last token is always fed again
-    assert pool.reserve("a", 9, keep={"a"}) and len(state.blocks) == 3 and pool.num_free_blocks == 1
-    pool.state("b")
-    assert not pool.reserve("b", 8, keep={"a", "b"})  # "a" is in the batch: not evicted
-    assert pool.reserve("b", 8, keep={"b"}) and pool.num_free_blocks == 2  # "a" was idle: evicted
-    pool.release("b")
-    assert pool.num_free_blocks == 4
+        make_llm(folders["target"], path, **options)
 
 
 def test_the_draft_model_resolves_through_the_engines_cache_dir(folders: dict[str, Path], tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """A GGUF draft keeps its index and tokenizer in the engine's start-up cache (--cache-dir),
     like the target."""
-    from tidal_engine.spec_decode import draft_model_proposer
+    from tidal_engine.spec_decode import draft_model
 
     resolved: list[tuple[str, object]] = []
-    real_resolve = draft_model_proposer.resolve_model
+    real_resolve = draft_model.resolve_model
 
     def recording_resolve(model: str, cache_dir: object = None) -> object:
         resolved.append((model, cache_dir))
         return real_resolve(model, cache_dir)
 
-    monkeypatch.setattr(draft_model_proposer, "resolve_model", recording_resolve)
+    monkeypatch.setattr(draft_model, "resolve_model", recording_resolve)
     llm = make_llm(folders["target"], folders["near"], cache_dir=str(tmp_path))
-    assert resolved == [(str(folders["near"]), str(tmp_path))]
+    # checked by the engine core before the workers start, then loaded by the worker
+    assert resolved == [(str(folders["near"]), str(tmp_path))] * 2
     assert llm.engine.core.config.cache_dir == str(tmp_path)

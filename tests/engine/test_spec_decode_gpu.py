@@ -96,3 +96,33 @@ def test_verify_steps_through_the_few_row_gemv_in_bf16(tiny_dir: Path, tmp_path:
     assert stats.spec_decode_num_accepted_tokens > 0
     assert sum(a == b for a, b in zip(single, base)) >= len(prompts) - 1, (single, base)
     assert sum(a == b for a, b in zip(spec, base)) >= len(prompts) - 1, (spec, base)
+
+
+@pytest.mark.parametrize("async_scheduling, max_num_batched_tokens", [(True, 96), (False, None)],
+                         ids=["async-with-prefill-chunks", "sync-decode-rows"])
+def test_the_target_as_its_own_draft_model(tiny_dir: Path, async_scheduling: bool,
+                                           max_num_batched_tokens: int | None) -> None:
+    # The draft model on the worker, its KV in the target's blocks, its drafts made on the device
+    # right before each verify step (async: at positions shifted there by the previous step's
+    # accepted count). The target as its own draft must give the plain greedy tokens and have
+    # (nearly) every draft accepted: the draft's one-token forwards run eagerly, the target's
+    # verify through the graphs, so only a near-tie in fp32 could tell them apart.
+    from tidal_engine import LLM, SamplingParams
+
+    llm = LLM(str(tiny_dir), device="cuda", dtype="float32", max_model_len=512, num_gpu_blocks_override=256,
+              max_num_batched_tokens=max_num_batched_tokens, cuda_graph_sizes=[1, 2, 4, 8],
+              async_scheduling=async_scheduling,
+              speculative_config={"model": str(tiny_dir), "num_speculative_tokens": 3})
+    core, runner = llm.engine.core, llm.engine.runner
+    assert core.async_scheduling == async_scheduling and runner.draft is not None
+    assert all(c.shape[1] == 256 for c in runner.draft.caches)
+    params = [SamplingParams(temperature=0.0, max_tokens=24 + 4 * i, ignore_eos=True) for i in range(len(SAMPLE_PROMPTS))]
+    proposer, core.proposer = core.proposer, None
+    base = [o.outputs[0].token_ids for o in llm.generate(SAMPLE_PROMPTS, params)]
+    core.proposer = proposer
+    spec = [o.outputs[0].token_ids for o in llm.generate(SAMPLE_PROMPTS, params)]
+    stats = llm.engine.get_stats()
+    assert spec == base
+    assert runner.verify_graphs is not None and runner.verify_graphs.num_replays > 0
+    drafted, accepted = stats.spec_decode_num_draft_tokens, stats.spec_decode_num_accepted_tokens
+    assert drafted > 0 and accepted >= 0.95 * drafted, (accepted, drafted)

@@ -17,8 +17,9 @@ With n-gram speculation async scheduling stays on: a verify row in flight is adv
 placeholder as if it accepted no draft (``num_lookahead_tokens`` holds its drafts, which its
 next KV allocation covers), its next step gets draft slots that the device fills, and the
 device shifts that step by the count accepted (spec_decode/device_drafts.py); the accepted
-tokens join the request when the step's result arrives (``_fill_placeholder``). A speculating
-engine without async scheduling (a draft model proposes on the host) launches ahead instead:
+tokens join the request when the step's result arrives (``_fill_placeholder``). A draft model
+works the same way (it runs on the workers and fills every row's draft slots on the device).
+A speculating engine without async scheduling launches ahead instead:
 ``step()`` completes N (tokens, stops), then proposes, schedules and launches N+1 before it
 returns N's deltas, so the caller's output work (text, stop strings, messages to the API
 servers) overlaps N+1 on the device.
@@ -65,7 +66,7 @@ from tidal_engine.kv_transfer.factory import create_scheduler_connector
 from tidal_engine.lora import AdapterInfo, LoRAAdapter, LoRAError, LoRAManager
 from tidal_engine.models.loader import load_tokenizer, resolve_dtype, resolve_model
 from tidal_engine.sampling_params import SamplingParams
-from tidal_engine.spec_decode.config import SpeculativeConfig, drafts_on_device
+from tidal_engine.spec_decode.config import DEVICE_DRAFT_SLOT, SpeculativeConfig, drafts_on_device
 from tidal_engine.spec_decode.proposer import Proposer, build_proposer
 from tidal_engine.spec_decode.token_history import TokenHistory
 from tidal_engine.structured import GrammarCompilerCache, GrammarMatcher
@@ -195,18 +196,20 @@ class EngineCore:
             config = dataclasses.replace(config, max_num_batched_tokens=default_max_num_batched_tokens(
                 self.device.type == "cuda", config.enable_chunked_prefill, self.max_model_len))
         self.config = config
-        # Before the workers start: a bad draft model fails fast, and a GPU draft's memory is
-        # already taken when the workers read what is free.
+        # Before the workers start, so a bad draft model fails fast (the workers load it).
         self.speculative = SpeculativeConfig.parse(config.speculative_config) if config.speculative_config else None
         if self.speculative is not None and config.pipeline_parallel_size > 1:
             raise ValueError("speculative decoding does not run with pipeline parallelism")
+        if self.speculative is not None and self.speculative.method == "draft_model" \
+                and config.tensor_parallel_size > 1:
+            raise ValueError("a draft model runs with tensor_parallel_size 1 only (it is not sharded yet); "
+                             "use n-gram speculation with tensor parallelism")
         self.proposer: Proposer | None = None
         if self.speculative is not None:
             self.tokenizer = self._take_tokenizer(tokenizer_load)  # the draft's vocabulary is checked against it
             self.proposer = build_proposer(
                 self.speculative, target_vocab_size=self.vocab_size, target_tokenizer=self.tokenizer,
-                dtype=self.dtype, device=self.device, block_size=config.block_size,
-                max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len, cache_dir=config.cache_dir)
+                max_model_len=self.max_model_len, cache_dir=config.cache_dir)
         started = time.perf_counter()
         self.executor = executor or build_executor(config, self.source, self.device, self.dtype)
         self.startup_seconds["executor"] = time.perf_counter() - started  # the workers' start-up
@@ -241,9 +244,10 @@ class EngineCore:
         self._grammars: GrammarCompilerCache | None = None  # built on the first structured request
         self._state_lock = threading.Lock()  # sleep/wake/reset from other threads (offline users)
         self.async_scheduling = config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
-        # Async scheduling with speculation needs drafts made on the device (n-gram; the
-        # runners decide alike): a row whose last token is still in flight gets draft slots
-        # that the device fills. Other proposers read every token on the host: synchronous.
+        # Async scheduling with speculation needs drafts made on the device (a draft model
+        # always, n-gram under async scheduling; the runners decide alike): a row whose last
+        # token is still in flight gets draft slots that the device fills. n-gram lookup on the
+        # host reads every token there: synchronous.
         self.device_drafts = drafts_on_device(self.speculative, config.async_scheduling, self.device.type) \
             and config.pipeline_parallel_size == 1
         if self.proposer is not None and not self.device_drafts:
@@ -495,12 +499,14 @@ class EngineCore:
         """Drafts for the running decode rows whose sampling the verifier handles exactly.
         With drafts made on the device, a row whose last token is still in flight gets draft
         slots (placeholders the device fills) instead; its in-flight drafts may all be accepted,
-        so its caps count them (``num_lookahead_tokens``)."""
+        so its caps count them (``num_lookahead_tokens``). A draft model gives every row draft
+        slots (``DEVICE_DRAFT_SLOT`` when its last token is known), which it fills on the workers."""
         assert self.proposer is not None
         rows: list[Request] = []
         caps: list[int] = []
         histories: list[np.ndarray] = []
         k = self.proposer.num_speculative_tokens
+        device_only = getattr(self.proposer, "device_only", False)
         for req in self.scheduler.running:
             req.spec_token_ids = []
             sample = self._samples.get(req.request_id)
@@ -513,6 +519,8 @@ class EngineCore:
                       self.max_model_len - req.num_tokens) - ahead - 1
             if cap > 0 and req.has_placeholder:
                 req.spec_token_ids = [PLACEHOLDER_TOKEN] * min(cap, k)
+            elif cap > 0 and device_only:  # the draft model writes them on the device
+                req.spec_token_ids = [DEVICE_DRAFT_SLOT] * min(cap, k)
             elif cap > 0:
                 if sample.history is None:
                     sample.history = TokenHistory(min(req.num_prompt_tokens + (params.max_tokens or 0), 2 * req.num_tokens + 256))

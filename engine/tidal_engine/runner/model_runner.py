@@ -60,6 +60,7 @@ from tidal_engine.runner.weight_store import WeightStore, pack_offsets
 
 if TYPE_CHECKING:  # the sampler's module is imported lazily (see default_sampler)
     from tidal_engine.runner.sampler import SampledTokens
+    from tidal_engine.spec_decode.draft_model import DraftModel
 
 # (vocab_size, max_num_seqs, device) -> a sampler with the runner/sampler.py interface.
 SamplerFactory = Callable[[int, int, torch.device], Any]
@@ -190,7 +191,7 @@ class ModelRunner:
     def _decide_num_blocks(self) -> int:
         if self.config.num_gpu_blocks_override is not None:
             return self.config.num_gpu_blocks_override
-        per_block = self.kv_spec.bytes_per_block
+        per_block = self.kv_bytes_per_block
         if self.config.kv_cache_memory_bytes is not None:
             budget = self.config.kv_cache_memory_bytes
         elif self.device.type == "cuda":
@@ -203,6 +204,13 @@ class ModelRunner:
                 f"the KV cache budget ({budget} bytes) is smaller than one block ({per_block} bytes)"
             )
         return int(num_blocks)
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        """What one KV block id costs: the target's layers, plus the draft model's (its KV shares
+        the block ids, spec_decode/draft_model.py)."""
+        draft = self.draft.bytes_per_block if self.draft is not None else 0
+        return self.kv_spec.bytes_per_block + draft
 
     def _budget_from_utilization(self) -> bool:
         c = self.config
@@ -447,6 +455,8 @@ class ModelRunner:
         range whose memory sleep gives back and wake maps again at the same addresses."""
         shape = (2, self.num_blocks, self.config.block_size, self.kv_spec.num_kv_heads, self.kv_spec.head_dim)
         self._kv_resident = True
+        if self.draft is not None:
+            self.draft.allocate(self.num_blocks)
         if self.config.enable_sleep_mode and self.device.type == "cuda":
             layer_bytes = self.num_blocks * self.kv_spec.bytes_per_block // self.kv_spec.num_layers
             offsets, total = pack_offsets([layer_bytes] * self.kv_spec.num_layers)
@@ -499,10 +509,12 @@ class ModelRunner:
         return layout, staged
 
     def _use_device_drafts(self) -> None:
-        """Async scheduling with n-gram speculation: drafts are made on the device (the host
-        does not know a step's tokens when it schedules the next one)."""
+        """Drafts made on the device: a draft model (always; loaded here, after the target, so
+        it is inside the engine's memory share), or n-gram lookup under async scheduling (the
+        host does not know a step's tokens when it schedules the next one)."""
         from tidal_engine.spec_decode.config import SpeculativeConfig, drafts_on_device
 
+        self.draft: DraftModel | None = None
         raw = getattr(self.config, "speculative_config", None)
         spec = SpeculativeConfig.parse(raw) if raw else None
         if not drafts_on_device(spec, getattr(self.config, "async_scheduling", None), self.device.type):
@@ -510,8 +522,28 @@ class ModelRunner:
         from tidal_engine.spec_decode.device_drafts import DeviceDrafts, DeviceNgramProposer
 
         assert spec is not None
+        rows = self.batch.capacity + 1
+        if spec.method == "draft_model":
+            from tidal_engine.spec_decode.draft_model import DraftModel
+
+            assert spec.model is not None
+            self.draft = DraftModel(spec.model, spec.num_speculative_tokens, dtype=self.dtype, device=self.device,
+                                    block_size=self.config.block_size, backend=choose_attention_backend(self.device),
+                                    cache_dir=getattr(self.config, "cache_dir", None),
+                                    load_format=getattr(self.config, "load_format", "auto"))
+            self.batch.device_drafts = DeviceDrafts(None, rows, self.max_model_len, self.device,
+                                                    num_speculative_tokens=spec.num_speculative_tokens)
+            return
         proposer = DeviceNgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
-        self.batch.device_drafts = DeviceDrafts(proposer, self.batch.capacity + 1, self.max_model_len, self.device)
+        self.batch.device_drafts = DeviceDrafts(proposer, rows, self.max_model_len, self.device)
+
+    def draft_forward(self, layout: StepLayout, staged: torch.Tensor) -> None:
+        """The draft model's KV for the step just queued: one draft forward over the step's own
+        inputs and metadata (no-op without a draft model)."""
+        if self.draft is None:
+            return
+        ids, positions, meta, _ = self._views(layout, staged)
+        self.draft.forward_step(ids, positions, meta)
 
     def _shift_fed_rows(self, layout: StepLayout, staged: torch.Tensor) -> None:
         """Device drafts: the host scheduled each fed row as if its previous step (still in
@@ -541,11 +573,18 @@ class ModelRunner:
         span("slot_mapping").index_copy_(0, tokens, (blocks * bs + pos % bs).view(-1))
         seq_lens = span("seq_lens")
         seq_lens.index_copy_(0, seq, seq_lens.index_select(0, seq) + shift)
+        if drafts.proposer is None:  # the draft model writes them (runner/verify.py)
+            self._bound_seq_lens(layout, seq_lens, k)
+            return
         ids = span("input_ids")
         fed = ids.index_select(0, feed_rows)
         new_ids = torch.cat([fed[:, None], drafts.drafts.index_select(0, src)], dim=1)
         ids.index_copy_(0, tokens, torch.where(valid, new_ids, fed[:, None]).view(-1))
-        if staged.device.type == "cpu":  # the torch backend reads the host copies: they are these
+        self._bound_seq_lens(layout, seq_lens, k)
+
+    @staticmethod
+    def _bound_seq_lens(layout: StepLayout, seq_lens: torch.Tensor, k: int) -> None:
+        if seq_lens.device.type == "cpu":  # the torch backend reads the host copies: they are these
             layout.seq_lens_np = seq_lens.numpy()[: layout.num_seqs].copy()
             layout.max_seq_len = int(layout.seq_lens_np.max())
         else:
@@ -646,6 +685,7 @@ class ModelRunner:
             assert self.mixed_graphs is not None
             layout, staged = self._stage(step, width, self.mixed_graphs.seqs_for(mixed), mixed)
             hidden = self.mixed_graphs.replay(mixed, staged, self._block_tables(layout, staged))
+            self.draft_forward(layout, staged)
             if not layout.num_samples:
                 return None
             a, b = layout.offsets()["sample_rows"]
@@ -655,6 +695,7 @@ class ModelRunner:
         if bucket is not None:
             assert self.graphs is not None
             logits = self.graphs.replay(bucket, staged, self._block_tables(layout, staged))
+            self.draft_forward(layout, staged)
             if not layout.num_samples:
                 return None
             if layout.samples_in_order:
@@ -665,6 +706,8 @@ class ModelRunner:
         else:
             ids, positions, meta, sample_rows = self._views(layout, staged)
             hidden = self.model(ids, positions, self.kv_caches, meta)
+            if self.draft is not None:
+                self.draft.forward_step(ids, positions, meta)
             if prompt_logprobs:
                 prompt_logprobs.compute(hidden, self.model.compute_logits)
             if not layout.num_samples:
@@ -790,6 +833,8 @@ class ModelRunner:
     def release_kv_cache(self) -> None:
         if not self._kv_resident:
             return
+        if self.draft is not None:
+            self.draft.release()
         if self._kv_range is not None:
             self._kv_range.unmap()  # the graphs keep pointing at the same addresses
         else:
@@ -805,6 +850,8 @@ class ModelRunner:
                 self._kv_range.map()
                 for cache in self.kv_caches:
                     cache.zero_()
+                if self.draft is not None:
+                    self.draft.allocate(self.num_blocks)
                 self._kv_resident = True
             else:
                 self.kv_caches = self._allocate_kv_caches()
@@ -832,6 +879,8 @@ class ModelRunner:
             self.restore_kv_cache()
             return
         self._kv_range.map()
+        if self.draft is not None:
+            self.draft.allocate(self.num_blocks)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
@@ -865,7 +914,8 @@ class ModelRunner:
         """Bytes held on the engine's device by the weights and the KV cache, and in host memory
         by the weights while asleep at level 1."""
         weights = self.weights.nbytes if self.weights.resident else 0
-        kv = sum(t.numel() * t.element_size() for t in self.kv_caches) if self._kv_resident else 0
+        caches = self.kv_caches + (self.draft.caches if self.draft is not None else [])
+        kv = sum(t.numel() * t.element_size() for t in caches) if self._kv_resident else 0
         offloaded = self.weights.host_bytes if not self.weights.resident else 0
         return {"weights_bytes": weights, "kv_cache_bytes": kv, "offloaded_weights_bytes": offloaded}
 

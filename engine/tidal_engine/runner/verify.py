@@ -6,7 +6,9 @@ The forward replays a verify graph (runner/mixed_graphs.py ``VerifyGraphs``: row
 k + 1 tokens, the multi-query decode attention) when every row fits one, else a mixed-step
 graph (a prefill chunk in the batch), else runs eagerly (LoRA rows, no graphs, CPU).
 
-With drafts made on the host (a synchronous engine), nothing here feeds tokens on the device
+With a draft model, it writes the drafts of the rows with device draft slots into the staged
+inputs right before the target forward, and its KV for the step's tokens right after
+(spec_decode/draft_model.py). With drafts made on the host (a synchronous engine), nothing here feeds tokens on the device
 and the result is read on the host right after. With drafts made on the device (async
 scheduling, ``_verify_on_device``) the drafts are read from the step's inputs, accepted on the
 device, the tokens appended to the device histories and the next drafts proposed, all before
@@ -22,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from tidal_engine.core.request import PLACEHOLDER_TOKEN
 from tidal_engine.runner.sampler import GREEDY_EPS, filtered_probs
 from tidal_engine.spec_decode.rejection_sampler import accept_greedy, rejection_sample
 
@@ -161,14 +164,18 @@ def execute_verify(
     allow_graphs: bool = True,
 ) -> VerifiedTokens | None:
     if runner.batch.device_drafts is not None:
-        # Rows whose drafts the device makes (placeholders in the plan) take their input token
-        # from the device too, however much of their history this worker has recorded.
-        on_device = np.fromiter((bool(d) and d[0] < 0 for d in drafts), dtype=bool, count=len(drafts))
-        if on_device.any():
+        # Rows whose last token is in flight (placeholder drafts in the plan) take their input
+        # token from the device too, however much of their history this worker has recorded.
+        in_flight = np.fromiter((bool(d) and d[0] == PLACEHOLDER_TOKEN for d in drafts), dtype=bool,
+                                count=len(drafts))
+        if in_flight.any():
             step.fed = step.fed.copy()
-            step.fed[np.flatnonzero(step.samples)[on_device]] = True
+            step.fed[np.flatnonzero(step.samples)[in_flight]] = True
     layout, staged, forward = _stage(runner, step, allow_graphs)
+    if runner.draft is not None:
+        _draft_model_proposes(runner, step, layout, staged, drafts)
     hidden = forward()  # queued first: the verification's indices are built while it runs
+    runner.draft_forward(layout, staged)
     if not layout.num_samples:
         return None
     index = _VerifyIndex(layout.sample_rows, drafts)
@@ -212,6 +219,30 @@ def execute_verify(
         for i in spec_pos:  # the worker adds the rest once it knows how many were emitted
             sampler.count_extra(sample_req_ids[i], 1)
     return VerifiedTokens(plain, plain_pos, spec, spec_pos, len(drafts), greedy_host)
+
+
+def _draft_model_proposes(runner: ModelRunner, step: StepInput, layout: StepLayout, staged: torch.Tensor,
+                          drafts: list[list[int]]) -> None:
+    """The draft model writes the drafts of every row with device draft slots into the staged
+    input ids, after the row's first token (fed and shifted on the device already when its
+    previous step was in flight); before the target forward that verifies them."""
+    draft = runner.draft
+    assert draft is not None
+    device_rows = [i for i, d in enumerate(drafts) if d and d[0] < 0]
+    if not device_rows:
+        return
+    index = np.asarray(device_rows, dtype=np.int64)
+    nd = np.fromiter((len(drafts[i]) for i in device_rows), dtype=np.int64, count=len(device_rows))
+    first = layout.sample_rows[index] - nd
+    rows = step.rows[step.samples][index]
+    host = torch.from_numpy(np.concatenate([first, rows, nd]))
+    dev = runner.device
+    flat = host.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else host.to(dev)
+    first_t, rows_t, nd_t = torch.split(flat, [len(first), len(rows), len(nd)])
+    off = layout.offsets()
+    (a, b), (pa, pb) = off["input_ids"], off["positions"]
+    tables = runner.batch.block_table_dev[:, : layout.width].index_select(0, rows_t)
+    draft.propose_into(staged[a:b], staged[pa:pb], first_t, tables, nd_t, int(nd.max()))
 
 
 def _accept(probs: torch.Tensor, sampled_index: torch.Tensor, sampled_options: list, draft_ids: torch.Tensor,

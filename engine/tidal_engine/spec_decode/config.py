@@ -7,6 +7,9 @@ from dataclasses import dataclass
 from typing import Any
 
 METHODS = ("ngram", "draft_model")
+# A draft slot whose id the device writes while the row's last token is known on the host (a
+# draft model's drafts; PLACEHOLDER_TOKEN = -1 marks slots of a row whose last token is in flight).
+DEVICE_DRAFT_SLOT = -2
 _KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
 
 
@@ -56,11 +59,13 @@ class SpeculativeConfig:
 
 
 def drafts_on_device(spec: SpeculativeConfig | None, async_scheduling: bool | None, device_type: str) -> bool:
-    """Whether drafts are made on the device (async scheduling with speculation): n-gram lookup
-    under async scheduling (default on CUDA). The engine core and the runners decide alike.
-    A draft model proposes on the host, so it keeps the engine synchronous."""
-    if spec is None or spec.method != "ngram":
+    """Whether drafts are made on the device. A draft model always proposes there (on the
+    workers, either way of scheduling); n-gram lookup does under async scheduling (the default
+    on CUDA). The engine core and the runners decide alike."""
+    if spec is None:
         return False
+    if spec.method == "draft_model":
+        return True
     return async_scheduling if async_scheduling is not None else device_type == "cuda"
 
 

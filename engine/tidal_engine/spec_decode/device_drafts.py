@@ -12,6 +12,10 @@ per persistent-batch row, on the device:
 - ``drafts[row]``: the next step's k drafts, proposed from the history right after the step
   (a ``DeviceProposer``: n-gram lookup, or the benchmark's oracle).
 
+With a draft model (spec_decode/draft_model.py) there is no ``DeviceProposer``: the drafts are
+made by the draft model right before the step that verifies them, so only ``accepted`` is kept
+(no history, no ``drafts``).
+
 Nothing here reads anything back on the host.
 """
 
@@ -46,12 +50,15 @@ class DeviceNgramProposer:
 
 
 class DeviceDrafts:
-    def __init__(self, proposer: DeviceProposer, num_rows: int, max_model_len: int, device: torch.device) -> None:
+    def __init__(self, proposer: DeviceProposer | None, num_rows: int, max_model_len: int, device: torch.device,
+                 num_speculative_tokens: int | None = None) -> None:
+        """``proposer`` None: drafts come from elsewhere (the draft model); only ``accepted`` is
+        kept, and ``num_speculative_tokens`` gives k."""
         self.proposer = proposer
-        self.k = proposer.num_speculative_tokens
+        self.k = proposer.num_speculative_tokens if proposer is not None else int(num_speculative_tokens or 0)
         self.device = device
         # Room for a whole verify step's tokens past the end (junk writes are never read).
-        self.width = max_model_len + 2 * (self.k + 1)
+        self.width = max_model_len + 2 * (self.k + 1) if proposer is not None else 1
         self.tokens = torch.zeros((0, self.width), dtype=torch.int64, device=device)
         self.lens = torch.zeros(0, dtype=torch.int64, device=device)
         self.accepted = torch.zeros(0, dtype=torch.int64, device=device)
@@ -74,19 +81,24 @@ class DeviceDrafts:
     def add_row(self, row: int, token_ids: list[int]) -> None:
         """A request got ``row``: its known tokens become the row's history."""
         self.ensure_rows(row + 1)
+        self.accepted[row] = 0
+        if self.proposer is None:
+            return
         n = len(token_ids)
         host = torch.tensor(token_ids, dtype=torch.int64)
         if self.device.type == "cuda":
             host = host.pin_memory()  # a pageable copy would wait for the step in flight
         self.tokens[row, :n].copy_(host, non_blocking=True)
         self.lens[row] = n
-        self.accepted[row] = 0
         self.drafts[row] = 0
 
     def record(self, rows: torch.Tensor, tokens: torch.Tensor, emitted: torch.Tensor) -> None:
         """After a step: row ``rows[i]`` emitted ``tokens[i, :emitted[i]]`` (device tensors;
         ``tokens`` [N, m]). Appends them to the histories and sets ``accepted``."""
         if rows.numel() == 0:
+            return
+        if self.proposer is None:
+            self.accepted.index_copy_(0, rows, emitted - 1)
             return
         m = tokens.shape[1]
         start = self.lens.index_select(0, rows)
@@ -97,7 +109,7 @@ class DeviceDrafts:
 
     def propose(self, rows: torch.Tensor, width: int) -> None:
         """The next drafts of ``rows`` from their histories; ``width`` bounds every row's length."""
-        if rows.numel() == 0:
+        if rows.numel() == 0 or self.proposer is None:
             return
         width = max(1, min(width, self.width))
         history = self.tokens[:, :width].index_select(0, rows)
