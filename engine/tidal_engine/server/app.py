@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import signal
@@ -13,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import uvicorn
+import uvloop
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -177,7 +177,9 @@ def run_server(engine: EngineClient, settings: ServerSettings, *, reuse_port: bo
     # collection no longer walks it and stalls every stream (engine/collector.py).
     freeze_heap()
     try:
-        asyncio.run(server.serve(sockets=sockets))
+        # uvloop's event loop (and httptools' parser, which uvicorn picks when installed): the
+        # API server streams every token of every request, so its per-chunk cost bounds it.
+        uvloop.run(server.serve(sockets=sockets))
     finally:
         unfreeze_heap()
     if engine.dead_error is not None:

@@ -43,12 +43,13 @@ def create_base_app(title: str, engine: ServedEngine, settings: Any, *, stopped_
     # Middleware added last runs first: CORS must see preflights before auth refuses them.
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key, protect_metrics=settings.protect_metrics)
-    app.add_middleware(
-        CORSMiddleware,
-        allow_origins=list(settings.allowed_origins),  # empty: no origin is allowed
-        allow_methods=["*"],
-        allow_headers=["*"],
-    )
+    if settings.allowed_origins:  # none allowed (the default): no middleware in every stream's send path
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(settings.allowed_origins),
+            allow_methods=["*"],
+            allow_headers=["*"],
+        )
 
     @app.get("/health")
     async def health() -> Response:
