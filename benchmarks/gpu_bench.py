@@ -941,6 +941,18 @@ def git_commit() -> str:
         return os.environ.get("TIDAL_COMMIT", "unknown")
 
 
+def run_header(benchmark: str) -> dict[str, Any]:
+    """What every result JSON starts with: the benchmark, the exact command, commit, date, GPU and torch."""
+    return {
+        "benchmark": benchmark,
+        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "commit": os.environ.get("TIDAL_COMMIT") or git_commit(),
+        "date": os.environ.get("TIDAL_BENCH_DATE") or datetime.date.today().isoformat(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "torch": torch.__version__, "python": platform.python_version(),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", choices=sorted(SHAPES), required=True)
@@ -965,12 +977,7 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {
-        "benchmark": f"gpu_bench {args.suite} {args.shape}",
-        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
-        "commit": os.environ.get("TIDAL_COMMIT") or git_commit(),
-        "date": os.environ.get("TIDAL_BENCH_DATE") or datetime.date.today().isoformat(),
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-        "torch": torch.__version__, "python": platform.python_version(),
+        **run_header(f"gpu_bench {args.suite} {args.shape}"),
         "shape": {"name": args.shape, **SHAPES[args.shape], "params": param_counts(args.shape)},
         "hbm_read_bytes_per_s": HBM_READ_BYTES_PER_S, "bf16_flops_per_s": BF16_FLOPS_PER_S,
     }

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -128,12 +127,7 @@ def main() -> None:
                     help="instead: a warm-up greedy run, then a sampled and a greedy run under cProfile "
                          "(their profiles next to --out)")
     args = ap.parse_args()
-    results: dict[str, Any] = {
-        "benchmark": "sampled_host_diag", "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
-        "commit": os.environ.get("TIDAL_COMMIT") or gb.git_commit(),
-        "date": os.environ.get("TIDAL_BENCH_DATE") or time.strftime("%Y-%m-%d"),
-        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "sampling": gb.SAMPLED,
-    }
+    results: dict[str, Any] = {**gb.run_header("sampled_host_diag"), "sampling": gb.SAMPLED}
     out = Path(args.out)
 
     def save() -> None:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -186,12 +185,7 @@ def main() -> None:
     ap.add_argument("--no-micro", action="store_true", help="skip the sampler micro-benchmark")
     args = ap.parse_args()
     wanted = args.runs.split(",")
-    results: dict[str, Any] = {
-        "benchmark": "step_timeline", "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
-        "commit": os.environ.get("TIDAL_COMMIT") or gb.git_commit(),
-        "date": os.environ.get("TIDAL_BENCH_DATE") or time.strftime("%Y-%m-%d"),
-        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "sampling": gb.SAMPLED,
-    }
+    results: dict[str, Any] = {**gb.run_header("step_timeline"), "sampling": gb.SAMPLED}
     out = Path(args.out)
 
     def save() -> None:
