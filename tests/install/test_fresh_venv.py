@@ -3,11 +3,14 @@ requirements) imports every one of its modules and starts its commands. This is 
 images do, so a module that imports an undeclared package fails here first.
 
 The operator venv gets kopf at the lowest version its pyproject allows, and applies the kopf
-settings the operator needs. The engine venv gets torch==2.13.0 (CPU, from local disk) first,
-as the Makefile does; the engine's `gpu` extra (triton) is not installed, so only the Triton
-kernels (kernels/triton/) may fail to import, and only for lack of triton.
+settings the operator needs. The engine venv gets torch==2.13.0 (CPU) and its own dependencies
+first, as the Makefile does: linked from this interpreter's installation rather than unpacked
+again (that took most of the test's minute and a half), so pip finds them installed and adds
+only what the engine's pyproject.toml asks for; the engine's `gpu` extra (triton) is not
+installed, so only the Triton kernels (kernels/triton/) may fail to import, and only for lack
+of triton.
 
-Slow (mostly unpacking torch; --no-compile skips writing bytecode for it); pip's cache is reused."""
+Slow (pip installs; --no-compile skips writing bytecode); pip's cache is reused."""
 
 from __future__ import annotations
 
@@ -16,6 +19,8 @@ import shutil
 import subprocess
 import sys
 import tomllib
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -42,10 +47,23 @@ def fresh_venv(where: Path) -> Path:
     return where / "bin"
 
 
-def pip_install(bin_dir: Path, *args: str) -> None:
-    done = subprocess.run([str(bin_dir / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-compile",
-                           *args], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+@dataclass
+class PipInstall:
+    """A ``pip install`` into a venv, running in the background."""
+
+    bin_dir: Path
+    proc: subprocess.Popen[str]
+
+    def wait(self) -> Path:
+        out, err = self.proc.communicate(timeout=600)
+        assert self.proc.returncode == 0, out[-2000:] + err[-4000:]
+        return self.bin_dir
+
+
+def start_pip_install(bin_dir: Path, *args: str) -> PipInstall:
+    proc = subprocess.Popen([str(bin_dir / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                             "--no-compile", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return PipInstall(bin_dir, proc)
 
 
 def failed_imports(bin_dir: Path, package: str) -> dict[str, str]:
@@ -62,6 +80,35 @@ def help_works(bin_dir: Path, *command: str) -> str:
     return done.stdout
 
 
+def link_installed(bin_dir: Path, top: str, where: Path) -> list[str]:
+    """Put ``top`` and its runtime dependencies, as installed for this interpreter, on the venv's
+    path: their files (dist-info included, so pip sees them installed) linked into ``where``,
+    which a .pth file in the venv's site-packages adds. Returns the distributions linked."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    where.mkdir(parents=True)
+    linked, todo = [], [top]
+    while todo:
+        dist = metadata.distribution(todo.pop())
+        name = dist.metadata["Name"]
+        if name.lower() in (d.lower() for d in linked):
+            continue
+        linked.append(name)
+        for line in dist.requires or []:
+            req = Requirement(line)
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                todo.append(req.name)
+        site = Path(str(dist.locate_file("")))
+        for entry in {f.parts[0] for f in dist.files or [] if f.parts[0] != ".."}:
+            if not (where / entry).exists():
+                (where / entry).symlink_to(site / entry)
+    site_packages = next((bin_dir.parent / "lib").glob("python*/site-packages"))
+    (site_packages / "_linked_from_tests.pth").write_text(f"{where}\n")
+    return linked
+
+
 def source_copy(package: str, where: Path) -> Path:
     """The package's folder copied out of the tree, so pip's build leaves nothing in it."""
     return Path(shutil.copytree(ROOT / package, where / package,
@@ -76,10 +123,27 @@ def lowest_allowed(pyproject: Path, dist: str) -> str:
     return found.group(1)
 
 
-def test_operator_alone(tmp_path: Path) -> None:
-    bin_dir = fresh_venv(tmp_path / "venv")
+@pytest.fixture(scope="module")
+def installs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, PipInstall]]:
+    """Both packages' venvs, their pip installs running at the same time (each mostly waits on
+    downloads from the cache and unpacking)."""
+    roots = {name: tmp_path_factory.mktemp(f"alone-{name}") for name in ("operator", "engine")}
+    bins = {name: fresh_venv(root / "venv") for name, root in roots.items()}
+    link_installed(bins["engine"], "torch", roots["engine"] / "torch-site")
     kopf = lowest_allowed(ROOT / "operator/pyproject.toml", "kopf")
-    pip_install(bin_dir, f"kopf=={kopf}", str(source_copy("operator", tmp_path)))
+    started = {
+        "operator": start_pip_install(bins["operator"], f"kopf=={kopf}", str(source_copy("operator", roots["operator"]))),
+        "engine": start_pip_install(bins["engine"], str(source_copy("engine", roots["engine"]))),
+    }
+    yield started
+    for install in started.values():
+        if install.proc.poll() is None:
+            install.proc.kill()
+            install.proc.communicate()
+
+
+def test_operator_alone(installs: dict[str, PipInstall]) -> None:
+    bin_dir = installs["operator"].wait()
     assert failed_imports(bin_dir, "tidal_operator") == {}
     assert "operator" in help_works(bin_dir, "tidal", "operator")
     assert "router" in help_works(bin_dir, "tidal", "router")
@@ -92,10 +156,11 @@ def test_operator_alone(tmp_path: Path) -> None:
     assert check.returncode == 0, check.stderr[-3000:]
 
 
-def test_engine_alone(tmp_path: Path) -> None:
-    bin_dir = fresh_venv(tmp_path / "venv")
-    pip_install(bin_dir, "torch==2.13.0")
-    pip_install(bin_dir, str(source_copy("engine", tmp_path)))
+def test_engine_alone(installs: dict[str, PipInstall]) -> None:
+    bin_dir = installs["engine"].wait()
+    check = subprocess.run([str(bin_dir / "python"), "-c", "import torch; print(torch.__version__)"],
+                           capture_output=True, text=True, timeout=120, cwd="/")
+    assert check.stdout.strip() == "2.13.0+cpu", check.stderr[-2000:]
     failed = failed_imports(bin_dir, "tidal_engine")
     gpu_extra = {name: why for name, why in failed.items()
                  if name.startswith("tidal_engine.kernels.triton") and "No module named 'triton'" in why}
