@@ -18,6 +18,8 @@ from tidal_engine.kernels.triton.gemv import (  # noqa: E402
     gemv,
     gemv_rows,
 )
+from tidal_engine.kernels.triton.activation import silu_and_mul  # noqa: E402
+from tidal_engine.layers.activation import SiluAndMul  # noqa: E402
 from tidal_engine.layers.linear import Linear  # noqa: E402
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
@@ -201,6 +203,87 @@ def test_linear_routes_few_row_inputs_to_the_few_row_kernel() -> None:
         torch.testing.assert_close(outs[m], torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-4)
 
 
+@_cpu
+def test_gemv_activates_gate_up_pairs_exactly_as_the_activation_kernel() -> None:
+    # A gate_up projection's GEMV computes gate row i next to up row I + i and writes
+    # silu(gate) * up: bit for bit the plain GEMV then the activation kernel (same sums, same
+    # roundings). I = 23 activations: the last tile is partly empty.
+    torch.manual_seed(4)
+    weight, b = torch.randn(46, 300), torch.randn(46)
+    x = torch.randn(1, 300)
+    for config in (GemvConfig(2, 64, 1), GemvConfig(8, 128, 2), GemvConfig(16, 64, 1)):
+        got = gemv(x, weight, b, config, silu_and_mul=True)
+        assert got.shape == (1, 23) and torch.equal(got, silu_and_mul(gemv(x, weight, b, config)))
+    with pytest.raises(ValueError, match="even"):
+        gemv(x, weight, b, GemvConfig(1, 64, 1), silu_and_mul=True)  # a one-row tile holds no pair
+    with pytest.raises(ValueError, match="even"):
+        gemv(x, weight[:45], b[:45], GemvConfig(2, 64, 1), silu_and_mul=True)
+
+
+@_cpu
+def test_linear_folds_its_output_activation_into_the_one_row_gemv_only() -> None:
+    # ``output_activation``: the one-row GEMV activates in its epilogue; the few-row GEMV and
+    # torch give their output to SiluAndMul, as before.
+    torch.manual_seed(5)
+    layer = Linear(32, 48, bias=True)
+    torch.nn.init.normal_(layer.weight)
+    torch.nn.init.normal_(layer.bias)
+    act = SiluAndMul()
+    import tidal_engine.kernels.triton.gemv as module
+
+    calls: list[tuple[str, int, bool]] = []
+    one, rows = module.gemv, module.gemv_rows
+    module.gemv = lambda x, *a, **k: calls.append(("one", x.shape[0], k.get("silu_and_mul", False))) or one(x, *a, **k)  # type: ignore[assignment]
+    module.gemv_rows = lambda x, *a, **k: calls.append(("few", x.shape[0], False)) or rows(x, *a, **k)  # type: ignore[assignment]
+    try:
+        inputs = {m: torch.randn(m, 32) for m in (1, 3, GEMV_ROWS_MAX + 1)}
+        plain = {m: act(torch.nn.functional.linear(x, layer.weight, layer.bias)) for m, x in inputs.items()}
+        assert all(torch.equal(layer(x, output_activation=act), plain[m]) for m, x in inputs.items())
+        assert calls == [] and not layer.folds(inputs[1], act)
+        layer.gemv_config = GemvConfig(1, 32, 1)  # a one-row tile holds no gate/up pair
+        assert not layer.folds(inputs[1], act)
+        layer.gemv_config = GemvConfig(8, 32, 1)
+        layer.gemv_rows_configs = {m: GemvConfig(16, 32, 1) for m in range(2, GEMV_ROWS_MAX + 1)}
+        assert layer.folds(inputs[1], act) and not layer.folds(inputs[3], act)
+        outs = {m: layer(x, output_activation=act) for m, x in inputs.items()}
+    finally:
+        module.gemv, module.gemv_rows = one, rows  # type: ignore[assignment]
+    assert calls == [("one", 1, True), ("few", 3, False)]
+    # The CPU SiluAndMul is torch's silu (the kernel's fp32 sigmoid differs in the last bit).
+    for m in inputs:
+        torch.testing.assert_close(outs[m], plain[m], rtol=1e-5, atol=1e-5)
+    # A delta hook (LoRA) adds to gate/up before the activation: then the layer does not fold.
+    seen: list[int] = []
+    layer.delta_hooks.append(lambda x, y: seen.append(y.shape[-1]))
+    torch.testing.assert_close(layer(inputs[1], output_activation=act), plain[1], rtol=1e-5, atol=1e-5)
+    assert seen == [48]
+
+
+@_cpu
+def test_start_up_launches_the_folded_gemvs_of_a_layer_that_takes_an_output_activation() -> None:
+    # So that none compiles while a decode graph is captured: every row count whose GEMV folds
+    # (for the bf16 GEMVs, one row; FP8: test_quantization_kernels.py).
+    from tidal_engine.kernels.gemv_choice import compile_folded
+
+    layer = Linear(32, 48)
+    torch.nn.init.normal_(layer.weight)
+    layer.gemv_config = GemvConfig(8, 32, 1)
+    layer.gemv_rows_configs = {m: GemvConfig(16, 32, 1) for m in range(2, GEMV_ROWS_MAX + 1)}
+    import tidal_engine.kernels.triton.gemv as module
+
+    calls: list[tuple[int, bool]] = []
+    one = module.gemv
+    module.gemv = lambda x, *a, **k: calls.append((x.shape[0], k.get("silu_and_mul", False))) or one(x, *a, **k)  # type: ignore[assignment]
+    try:
+        compile_folded(layer, torch.float32, GEMV_ROWS_MAX)
+        assert calls == []  # no output activation: nothing to fold
+        layer.output_activation_name = SiluAndMul.name
+        compile_folded(layer, torch.float32, GEMV_ROWS_MAX)
+    finally:
+        module.gemv = one  # type: ignore[assignment]
+    assert calls == [(1, True)]
+
+
 def test_few_row_choices_keep_the_one_row_keys_and_come_back_from_disk(tmp_path: object) -> None:
     # The few-row choices are stored under their own kinds ("bfloat16r2" ... "r8"), next to the
     # one-row key (N, K, torch dtype, bias), and read back as the same candidates.
@@ -240,6 +323,25 @@ def test_gemv_rows_matches_linear_gpu(shape: tuple[int, int]) -> None:
             ran += 1
             torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
     assert ran >= 3 * (len(GEMV_ROWS_CONFIGS) - 2)
+
+
+@pytest.mark.gpu
+@_needs_cuda
+@_compiled
+def test_gemv_with_silu_and_mul_matches_the_activation_kernel_gpu() -> None:
+    # The 8B gate_up projection in bf16, every candidate with gate/up pairs: the GEMV that
+    # activates in its epilogue gives the plain GEMV then the activation kernel to within one
+    # bf16 ulp of the largest output.
+    n, k = 24576, 4096
+    torch.manual_seed(0)
+    weight = (torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16)
+    x = torch.randn(1, k, device="cuda").to(torch.bfloat16)
+    for config in GEMV_CONFIGS:
+        if config.block_n % 2:
+            continue
+        want = silu_and_mul(gemv(x, weight, None, config)).float()
+        got = gemv(x, weight, None, config, silu_and_mul=True).float()
+        torch.testing.assert_close(got, want, rtol=0, atol=2**-7 * want.abs().max().item())
 
 
 @pytest.mark.parametrize("few_rows", [True, False])

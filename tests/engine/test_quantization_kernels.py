@@ -31,7 +31,9 @@ from tidal_engine.kernels.triton.quant_int4 import (  # noqa: E402
     int4_gemm,
     int4_gemv,
 )
-from tidal_engine.layers.linear import Linear  # noqa: E402
+from tidal_engine.kernels.triton.activation import silu_and_mul  # noqa: E402
+from tidal_engine.layers.activation import SiluAndMul  # noqa: E402
+from tidal_engine.layers.linear import Linear, LinearBase  # noqa: E402
 from tidal_engine.quantization.base import GEMV_MAX_ROWS  # noqa: E402
 from tidal_engine.quantization.fp8 import FP8, Fp8LinearMethod, quantize_rows, quantize_tokens  # noqa: E402
 from tidal_engine.quantization.int4 import Int4LinearMethod, dequantize  # noqa: E402
@@ -93,6 +95,86 @@ def test_fp8_gemv_matches_the_dequantized_weights(rows: int, bias: bool) -> None
         got = fp8_gemv(x, q, scale, b, config)
         assert got.shape == (rows, 45) and got.dtype == torch.float32
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
+
+
+@_cpu
+def test_fp8_gemv_activates_gate_up_pairs_exactly_as_the_activation_kernel() -> None:
+    # A gate_up projection's GEMV computes gate row i next to up row I + i and writes
+    # silu(gate) * up: bit for bit the plain GEMV then the activation kernel (same sums, same
+    # roundings), at one row and at several. I = 23: the last tile is partly empty.
+    torch.manual_seed(0)
+    q, scale = quantize_rows(torch.randn(46, 300))
+    b = torch.randn(46)
+    for rows in (1, 3):
+        x = torch.randn(rows, 300)
+        for config in (GemvConfig(16, 64, 1), Fp8GemvConfig(16, 128, 2, 2)):
+            got = fp8_gemv(x, q, scale, b, config, silu_and_mul=True)
+            assert got.shape == (rows, 23) and torch.equal(got, silu_and_mul(fp8_gemv(x, q, scale, b, config)))
+    with pytest.raises(ValueError, match="even"):
+        fp8_gemv(x, q, scale, b, GemvConfig(1, 64, 1), silu_and_mul=True)
+
+
+@_cpu
+def test_fp8_gate_up_folds_the_activation_only_into_its_small_batch_kernel(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import tidal_engine.kernels.triton.quant_fp8 as kernels
+
+    layer = _fp8_layer(48, 64)
+    act = SiluAndMul()
+    calls: list[tuple[int, bool]] = []
+    original = kernels.fp8_gemv
+    monkeypatch.setattr(kernels, "fp8_gemv", lambda x, *a, **k: calls.append((x.shape[0], k.get("silu_and_mul", False)))
+                        or original(x, *a, **k))
+    inputs = {rows: torch.randn(rows, 64) for rows in (1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1)}
+    # No choice made: the reference path, then SiluAndMul, as without output_activation.
+    assert all(torch.equal(layer(x, output_activation=act), act(layer(x))) for x in inputs.values())
+    assert calls == []
+    layer.gemv_config, layer.gemv_config_few = GemvConfig(8, 32, 1), GemvConfig(4, 64, 1)
+    for x in inputs.values():  # the CPU SiluAndMul is torch's silu: the last bit may differ
+        torch.testing.assert_close(layer(x, output_activation=act), act(layer(x)), rtol=1e-5, atol=1e-5)
+    assert calls == [(1, True), (1, False), (GEMV_MAX_ROWS, True), (GEMV_MAX_ROWS, False)]
+    # The start-up choice launches the folded kernel once per row count that folds.
+    from tidal_engine.kernels.gemv_choice import compile_folded
+
+    calls.clear()
+    layer.output_activation_name = act.name
+    compile_folded(layer, torch.float32, GEMV_MAX_ROWS + 2)
+    assert calls == [(rows, True) for rows in range(1, GEMV_MAX_ROWS + 1)]
+
+
+@_cpu
+def test_tiny_fp8_model_decodes_the_same_logits_with_the_activation_in_the_gate_up_gemv(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A decode step (one row) of a tiny FP8 model with every quantized linear on the GEMV: the
+    # gate_up projections fold SiLU-and-mul in, and the logits are those of the unfolded step.
+    import tidal_engine.kernels.triton.quant_fp8 as kernels
+    from tidal_engine.models.loader import load_model, resolve_model
+
+    from tiny_models import SeqStep, allocate_kv_caches, forward_batch, make_tiny_model
+
+    make_tiny_model("qwen3", tmp_path)
+    model = load_model(resolve_model(str(tmp_path)), torch.float32, "cpu", quantization="fp8")
+    for module in model.modules():
+        if isinstance(module, LinearBase) and isinstance(module.method, Fp8LinearMethod):
+            module.gemv_config = Fp8GemvConfig(64, 64, 1, 2)  # few programs: the interpreter is slow
+    folded: list[bool] = []
+    original = kernels.fp8_gemv
+    monkeypatch.setattr(kernels, "fp8_gemv", lambda *a, **k: folded.append(k.get("silu_and_mul", False))
+                        or original(*a, **k))
+    prompt = list(range(3, 23))
+
+    def decode_logits() -> torch.Tensor:
+        caches = allocate_kv_caches(model, num_blocks=4, block_size=16)
+        forward_batch(model, caches, [SeqStep(prompt, 0, [2, 0])], 16)  # prefill: the general path
+        folded.clear()
+        return forward_batch(model, caches, [SeqStep([7], len(prompt), [2, 0])], 16)[0]
+
+    fused = decode_logits()
+    assert folded.count(True) == model.config.num_hidden_layers and len(folded) == 4 * model.config.num_hidden_layers
+    monkeypatch.setattr(Fp8LinearMethod, "folds_activation", lambda *args: False)
+    unfused = decode_logits()
+    assert folded.count(True) == 0 and len(folded) == 4 * model.config.num_hidden_layers
+    torch.testing.assert_close(fused, unfused, rtol=1e-5, atol=1e-5 * unfused.abs().max().item())
 
 
 @_cpu
@@ -252,6 +334,31 @@ def test_fp8_gemv_matches_gpu(shape: tuple[int, int], rows: int) -> None:
         got = fp8_gemv(x, q, scale, None, config).float()
         torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
 
+
+
+@pytest.mark.gpu
+@_compiled_gpu
+@pytest.mark.parametrize("rows", [1, GEMV_MAX_ROWS])
+def test_fp8_gemv_with_silu_and_mul_matches_the_activation_kernel_gpu(rows: int) -> None:
+    # The 8B gate_up projection, every candidate: the GEMV that activates gate/up pairs in its
+    # epilogue gives the plain GEMV then the activation kernel to within one bf16 ulp of the
+    # largest output, eagerly and replayed in a CUDA graph with a new input.
+    n, k = 24576, 4096
+    torch.manual_seed(0)
+    q, scale = quantize_rows(torch.randn(n, k, device="cuda") * 0.02)
+    x = torch.randn(rows, k, device="cuda").to(torch.bfloat16)
+    for config in FP8_GEMV_CONFIGS:
+        want = silu_and_mul(fp8_gemv(x, q, scale, None, config)).float()
+        got = fp8_gemv(x, q, scale, None, config, silu_and_mul=True).float()
+        torch.testing.assert_close(got, want, rtol=0, atol=2**-7 * want.abs().max().item())
+    static = x.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fp8_gemv(static, q, scale, None, FP8_GEMV_CONFIGS[0], silu_and_mul=True)
+    static.copy_(torch.randn_like(static))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, fp8_gemv(static, q, scale, None, FP8_GEMV_CONFIGS[0], silu_and_mul=True))
 
 
 @pytest.mark.gpu

@@ -180,6 +180,20 @@ def _choose_few_rows(weight: torch.Tensor, bias: torch.Tensor | None, cache: dic
     return {m: per_bucket[min(b for b in GEMV_ROW_BUCKETS if b >= m)] for m in range(2, max(GEMV_ROW_BUCKETS) + 1)}
 
 
+def compile_folded(module: nn.Module, dtype: torch.dtype, max_rows: int) -> None:
+    """Launch, once per row count up to ``max_rows``, the kernels that fold the layer's
+    ``output_activation_name`` into its chosen GEMVs (layers/linear.py ``folds``), so none
+    compiles while a decode graph is captured."""
+    name = getattr(module, "output_activation_name", None)
+    if name is None:
+        return
+    device = next(module.parameters()).device
+    for rows in range(1, max_rows + 1):
+        x = torch.zeros(rows, module.in_features, dtype=dtype, device=device)
+        if module.method.folds_activation(module, x, name):
+            module.method.apply_activated(module, x, module.bias, name)
+
+
 def _run_dtype(module: nn.Module, fallback: torch.dtype) -> torch.dtype:
     """The dtype of the module's first 16-bit parameter (the model's run dtype), else ``fallback``."""
     for t in module.parameters():
@@ -195,7 +209,7 @@ def choose_gemv(model: nn.Module, cache: dict[tuple[int, int, torch.dtype, bool]
     dtype (the activations of quantized linears; default: the model's first 16-bit parameter).
     ``few_rows``: also time and set the few-row tiles (``gemv_rows_configs``).
     Returns counts (quantized linears count as "gemv" when their one-row input uses the kernel)."""
-    from tidal_engine.kernels.triton.gemv import GEMV_CONFIGS, gemv
+    from tidal_engine.kernels.triton.gemv import GEMV_CONFIGS, GEMV_ROWS_MAX, gemv
     from tidal_engine.layers.linear import LinearBase, UnquantizedLinearMethod
     from tidal_engine.quantization.base import SmallBatchKernel
 
@@ -205,6 +219,7 @@ def choose_gemv(model: nn.Module, cache: dict[tuple[int, int, torch.dtype, bool]
         for module in model.modules():
             if isinstance(module, LinearBase) and isinstance(module.method, SmallBatchKernel):
                 chosen["gemv" if _choose_small_batch(module, cache, run_dtype) else "cublas"] += 1
+                compile_folded(module, run_dtype, GEMV_ROWS_MAX)
                 continue
             if not isinstance(module, LinearBase) or not isinstance(module.method, UnquantizedLinearMethod) \
                     or module.weight.numel() == 0:
@@ -233,6 +248,7 @@ def choose_gemv(model: nn.Module, cache: dict[tuple[int, int, torch.dtype, bool]
             if few_rows:
                 module.gemv_rows_configs = _choose_few_rows(weight, bias, cache, copies)
             del copies
+            compile_folded(module, weight.dtype, GEMV_ROWS_MAX)
             chosen["gemv" if cache[key] is not None else "cublas"] += 1
     return chosen
 
@@ -340,5 +356,5 @@ def choices_file(cache_dir: Path) -> Path:
     return cache_dir / "gemv" / f"{gemv_cache_key(torch.cuda.get_device_name(), versions)}.json"
 
 
-__all__ = ["choices_file", "choose_gemv", "gemv_wanted", "is_device_fault", "launch_candidates", "load_choices", "pick_fastest",
+__all__ = ["choices_file", "choose_gemv", "compile_folded", "gemv_wanted", "is_device_fault", "launch_candidates", "load_choices", "pick_fastest",
            "rotation_copies", "save_choices", "time_in_graph"]

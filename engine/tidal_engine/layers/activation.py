@@ -10,7 +10,11 @@ from tidal_engine.kernels.fused import use_fused
 
 
 class SiluAndMul(nn.Module):
-    """``silu(gate) * up`` for the merged ``[..., 2 * d]`` output of gate_up_proj."""
+    """``silu(gate) * up`` for the merged ``[..., 2 * d]`` output of gate_up_proj. Passed to
+    gate_up_proj as its ``output_activation`` (layers/linear.py), whose decode GEMV applies it
+    in its epilogue; this module runs it everywhere else."""
+
+    name = "silu_and_mul"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if use_fused(x):  # one Triton kernel on CUDA (fp32 inside, one rounding)

@@ -12,7 +12,11 @@ Every weight of a model goes through these classes. Two seams:
   parameters of one shard (tagging each with the dimension that is the output rows and
   the one that is the input columns, which the loaders slice), ``apply`` computes ``x W^T
   + b``, and ``process_weights_after_loading`` may repack. ``UnquantizedLinearMethod`` is
-  the plain one; a quantization method implements the same three calls.
+  the plain one; a quantization method implements the same three calls. A layer may also
+  be called with an ``output_activation`` (a gated MLP's gate_up projection with
+  ``SiluAndMul``): where the method ``folds_activation`` for that input (the decode GEMVs
+  do), ``apply_activated`` makes the activated output in one kernel; elsewhere the layer
+  runs ``apply``, its delta hooks, then the activation.
 
 ``in_features`` / ``out_features`` are this rank's sizes (what its matmul sees);
 ``input_range`` / ``output_ranges`` say where they sit in the checkpoint's full tensor.
@@ -25,7 +29,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +40,14 @@ from tidal_engine.distributed.parallel_state import get_parallel
 from tidal_engine.distributed.partition import even_runs, head_shard, padded_vocab, vocab_range
 
 DeltaHook = Callable[[torch.Tensor, torch.Tensor], None]  # (input, local output) → add into output
+
+
+class OutputActivation(Protocol):
+    """An activation a linear may apply to its output inside its own kernel (layers/activation.py)."""
+
+    name: str  # what a LinearMethod's folds_activation recognizes, e.g. "silu_and_mul"
+
+    def __call__(self, y: torch.Tensor) -> torch.Tensor: ...
 
 
 def copy_checked(dst: torch.Tensor, src: Any, what: str) -> None:
@@ -104,6 +116,17 @@ class LinearMethod(ABC):
     def apply(self, layer: "LinearBase", x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x [T, in_features]`` → ``[T, out_features]``."""
 
+    def folds_activation(self, layer: "LinearBase", x: torch.Tensor, activation: str) -> bool:
+        """Whether ``apply_activated`` has one kernel for this input and ``activation`` (
+        "silu_and_mul": the output rows are gate|up, gate first, and the result has half as
+        many). No by default."""
+        return False
+
+    def apply_activated(self, layer: "LinearBase", x: torch.Tensor, bias: torch.Tensor | None,
+                        activation: str) -> torch.Tensor:
+        """``act(apply(layer, x, bias))`` in one kernel; only where ``folds_activation``."""
+        raise NotImplementedError(f"{type(self).__name__} does not fold {activation} into its matmul")
+
     def process_weights_after_loading(self, layer: "LinearBase") -> None:  # noqa: B027 - optional
         """Repack after the checkpoint is in (nothing to do for plain weights)."""
 
@@ -130,6 +153,18 @@ class UnquantizedLinearMethod(LinearMethod):
             return gemv_rows(x, layer.weight, bias, few)
         return F.linear(x, layer.weight, bias)
 
+    # The one-row GEMV activates gate/up pairs in its epilogue (tiles of at least one pair).
+    def folds_activation(self, layer: "LinearBase", x: torch.Tensor, activation: str) -> bool:
+        config = layer.gemv_config
+        return (activation == "silu_and_mul" and x.dim() == 2 and x.shape[0] == 1 and config is not None
+                and config.block_n % 2 == 0 and layer.out_features % 2 == 0)
+
+    def apply_activated(self, layer: "LinearBase", x: torch.Tensor, bias: torch.Tensor | None,
+                        activation: str) -> torch.Tensor:
+        from tidal_engine.kernels.triton.gemv import gemv
+
+        return gemv(x, layer.weight, bias, layer.gemv_config, silu_and_mul=True)
+
 
 # ---- layers ------------------------------------------------------------------------------
 class LinearBase(nn.Module):
@@ -140,6 +175,9 @@ class LinearBase(nn.Module):
 
     gemv_config: Any = None  # set per layer by kernels/gemv_choice.py (CUDA, one-row inputs)
     gemv_rows_configs: dict[int, Any] | None = None  # the same per row count 2..8 (kernels/triton/gemv.py gemv_rows)
+    # The activation callers may ask this layer to fold into its output (a gated MLP's gate_up:
+    # "silu_and_mul"), so the start-up choice compiles those kernels before graphs are captured.
+    output_activation_name: str | None = None
 
     def __init__(
         self,
@@ -225,14 +263,26 @@ class LinearBase(nn.Module):
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tuple(y.split(list(self.output_sizes.values()), dim=-1))
 
+    def folds(self, x: torch.Tensor, activation: OutputActivation) -> bool:
+        """Whether ``forward(x, output_activation=activation)`` runs the activation inside this
+        layer's matmul kernel (the method has one for these rows; no delta hook, which adds to
+        the output before the activation)."""
+        return not self.delta_hooks and self.method.folds_activation(self, x, activation.name)
+
     def _local(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         y = self.method.apply(self, x, bias)
         for hook in self.delta_hooks:
             hook(x, y)
         return y
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._local(x, self.bias)
+    def forward(self, x: torch.Tensor, output_activation: OutputActivation | None = None) -> torch.Tensor:
+        """``x W^T + b``, then ``output_activation`` of it if given (in the matmul's kernel where
+        the layer ``folds`` it)."""
+        if output_activation is None:
+            return self._local(x, self.bias)
+        if self.folds(x, output_activation):
+            return self.method.apply_activated(self, x, self.bias, output_activation.name)
+        return output_activation(self._local(x, self.bias))
 
 
 class Linear(LinearBase):

@@ -138,9 +138,11 @@ class DecoderMLP(nn.Module):
                                            input_range=self.gate_up_proj.output_ranges["gate"],
                                            method=_method(quant, prefix, ["down_proj"]))
         self.act = SiluAndMul()
+        self.gate_up_proj.output_activation_name = self.act.name
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        # gate_up_proj applies the activation: in its kernel's epilogue where it can (decode).
+        return self.down_proj(self.gate_up_proj(x, output_activation=self.act))
 
 
 class DecoderLayer(nn.Module):

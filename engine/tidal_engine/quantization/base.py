@@ -89,11 +89,15 @@ class SmallBatchKernel(ABC):
         """Compile what the general path may run at any row count, before CUDA graphs are
         captured (the choice calls it once per layer). Nothing by default."""
 
+    def small_batch_config(self, layer: Any, rows: int) -> Any:
+        """The chosen small-batch kernel tile for ``rows`` input rows, or None (the general path)."""
+        if rows == 1:
+            return layer.gemv_config
+        return getattr(layer, "gemv_config_few", None) if rows <= GEMV_MAX_ROWS else None
+
     def apply_2d(self, layer: Any, x: Any, bias: Any) -> Any:
         """``x [M, K]``: the chosen small-batch kernel for few rows, else the general path."""
-        rows = x.shape[0]
-        config = layer.gemv_config if rows == 1 else getattr(layer, "gemv_config_few", None) \
-            if rows <= GEMV_MAX_ROWS else None
+        config = self.small_batch_config(layer, x.shape[0])
         weights = self.gemv_weights(layer)
         if config is not None:
             return self.run_gemv(layer, x, weights, bias, config)

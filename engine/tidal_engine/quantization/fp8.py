@@ -11,7 +11,8 @@ The matmul is ``torch._scaled_mm`` on GPUs with FP8 tensor cores (compute capabi
 with the activations quantized by one Triton kernel (kernels/triton/quant_fp8.py); inputs of
 a few rows (decode) may instead go to the FP8-weight Triton GEMV, which widens the weights in
 registers and leaves the activations in 16 bits (chosen per shape by measurement,
-kernels/gemv_choice.py). Everywhere else a reference in the run dtype computes the W8A8
+kernels/gemv_choice.py); as a gated MLP's gate_up it also applies SiLU-and-mul to its gate/up
+pairs in its epilogue (``folds_activation``). Everywhere else a reference in the run dtype computes the W8A8
 numbers: quantize the activations, dequantize both, multiply.
 """
 
@@ -127,6 +128,22 @@ class Fp8LinearMethod(LinearMethod, SmallBatchKernel):
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         shape = x.shape
         y = self.apply_2d(layer, x.reshape(-1, shape[-1]), bias)
+        return y.reshape(*shape[:-1], y.shape[-1])
+
+    # The small-batch GEMV activates gate/up pairs in its epilogue; the general path does not.
+    def folds_activation(self, layer: LinearBase, x: torch.Tensor, activation: str) -> bool:
+        config = self.small_batch_config(layer, x.numel() // x.shape[-1])
+        return (activation == "silu_and_mul" and config is not None and config.block_n % 2 == 0
+                and layer.out_features % 2 == 0)
+
+    def apply_activated(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None,
+                        activation: str) -> torch.Tensor:
+        from tidal_engine.kernels.triton.quant_fp8 import fp8_gemv
+
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        y = fp8_gemv(x2, layer.weight, layer.weight_scale, bias, self.small_batch_config(layer, x2.shape[0]),
+                     silu_and_mul=True)
         return y.reshape(*shape[:-1], y.shape[-1])
 
 

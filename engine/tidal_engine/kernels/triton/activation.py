@@ -1,4 +1,10 @@
-"""SiLU-and-mul: the gated MLP activation of Llama/Qwen."""
+"""SiLU-and-mul: the gated MLP activation of Llama/Qwen.
+
+``silu_mul`` is the arithmetic itself, shared with the decode GEMVs that compute a gated MLP's
+gate and up rows side by side and activate them in their epilogue (kernels/triton/gemv.py,
+quant_fp8.py): both start from gate and up rounded to the run dtype, so a folded GEMV stores
+exactly what this kernel stores after the plain GEMV.
+"""
 
 from __future__ import annotations
 
@@ -10,13 +16,19 @@ from tidal_engine.kernels.triton._common import FLOAT_DTYPES, check_dtype, next_
 
 
 @triton.jit
+def silu_mul(gate, up):
+    """``silu(gate) * up`` of fp32 values, in fp32 (the caller rounds once)."""
+    return gate * tl.sigmoid(gate) * up
+
+
+@triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inter, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + inter + cols, mask=mask, other=0.0).to(tl.float32)
-    y = gate * tl.sigmoid(gate) * up  # fp32 throughout, one rounding at the store
+    y = silu_mul(gate, up)  # fp32 throughout, one rounding at the store
     tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -39,4 +51,4 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out.view(*x.shape[:-1], inter)
 
 
-__all__ = ["silu_and_mul"]
+__all__ = ["silu_and_mul", "silu_mul"]

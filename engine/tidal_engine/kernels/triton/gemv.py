@@ -13,6 +13,12 @@ as the 16-row side of a tensor-core product (``tl.dot(w, x^T)``; padding rows ar
 for a memory-bound product their multiplies cost nothing). cuBLAS's GEMMs are built for many
 rows; at a few rows they read the weights at a fraction of the bandwidth. Chosen per weight
 shape and row bucket (2, 4, 8) by measurement, as the one-row kernel is.
+
+The one-row kernel takes ``silu_and_mul=True`` for a gated MLP's gate_up projection: the weight
+is gate|up, ``[2I, K]``; each program takes gate row i next to up row I + i for its
+``BLOCK_N / 2`` activations and writes ``silu(gate) * up`` (kernels/triton/activation.py's
+arithmetic, on the sums rounded as the plain kernel stores them), so a decode step needs no
+activation kernel and no ``[1, 2I]`` intermediate, and each activation is made once.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from tidal_engine.kernels.triton.activation import silu_mul
 
 
 @dataclass(frozen=True)
@@ -38,6 +46,23 @@ def check_grid_rows(n: int, block_n: int) -> None:
     """Small-batch kernels put the output-row tiles on the grid's second dimension."""
     if -(-n // block_n) > MAX_GRID_Y:
         raise ValueError(f"{n} output rows need more than {MAX_GRID_Y} programs of {block_n} rows")
+
+
+def check_gated(n: int, block_n: int) -> tuple[int, int]:
+    """A gate|up weight of ``n`` rows in tiles of ``block_n`` rows: (activations, activations a
+    program); a tile holds gate/up pairs."""
+    if n % 2 or block_n < 2 or block_n % 2:
+        raise ValueError(f"silu_and_mul needs an even number of weight rows ({n}) and of rows a tile ({block_n})")
+    return n // 2, block_n // 2
+
+
+@triton.jit
+def gated_rows(pid, N, BLOCK_N: tl.constexpr):
+    """Program ``pid``'s weight rows in a gate|up GEMV with ``N`` activations: tile row 2j is
+    gate row i, 2j + 1 up row N + i, for its ``BLOCK_N // 2`` activations i; and which exist."""
+    r = tl.arange(0, BLOCK_N)
+    outs = pid * (BLOCK_N // 2) + r // 2
+    return outs + (r % 2) * N, outs < N
 
 
 # The candidates timed at start-up (each one compiled variant per dtype).
@@ -87,9 +112,13 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    SILU_AND_MUL: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
+    if SILU_AND_MUL:  # N activations: weight rows i (gate) and N + i (up)
+        rows, row_ok = gated_rows(tl.program_id(0), N, BLOCK_N)
+    else:
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < N
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -101,7 +130,13 @@ def _gemv_kernel(
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
+    if SILU_AND_MUL:
+        # gate and up rounded as the plain kernel would store them, then the activation kernel's arithmetic
+        gate, up = tl.split(tl.reshape(y.to(out_ptr.dtype.element_ty).to(tl.float32), (BLOCK_N // 2, 2)))
+        outs = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        tl.store(out_ptr + outs, silu_mul(gate, up).to(out_ptr.dtype.element_ty), mask=outs < N)
+    else:
+        tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
 @triton.jit
@@ -180,8 +215,10 @@ def gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     return out
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig) -> torch.Tensor:
-    """``x [1, K] @ weight [N, K]^T (+ bias [N])`` → ``[1, N]`` in x's dtype (fp32 accumulation)."""
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig,
+         silu_and_mul: bool = False) -> torch.Tensor:
+    """``x [1, K] @ weight [N, K]^T (+ bias [N])`` → ``[1, N]`` in x's dtype (fp32 accumulation).
+    ``silu_and_mul``: the weight is gate|up (N = 2I) and the result ``silu(gate) * up``, ``[1, I]``."""
     if x.dim() != 2 or x.shape[0] != 1:
         raise ValueError(f"gemv takes one row, x of shape [1, K]; got {tuple(x.shape)}")
     n, k = weight.shape
@@ -191,22 +228,25 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, confi
         raise ValueError("weight's last dim must be contiguous")
     if x.stride(1) != 1:
         x = x.contiguous()
-    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(n, config.block_n),)
+    n_out, rows_a_program = check_gated(n, config.block_n) if silu_and_mul else (n, config.block_n)
+    out = torch.empty((1, n_out), dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(n_out, rows_a_program),)
     _gemv_kernel[grid](
         x,
         weight,
         bias if bias is not None else weight,  # unused without a bias
         out,
-        n,
+        n_out,
         k,
         weight.stride(0),
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         HAS_BIAS=bias is not None,
+        SILU_AND_MUL=silu_and_mul,
         num_warps=config.num_warps,
     )
     return out
 
 
-__all__ = ["GEMV_CONFIGS", "GEMV_ROWS_CONFIGS", "GEMV_ROWS_MAX", "GEMV_ROW_BUCKETS", "GemvConfig", "check_grid_rows", "gemv", "gemv_rows"]
+__all__ = ["GEMV_CONFIGS", "GEMV_ROWS_CONFIGS", "GEMV_ROWS_MAX", "GEMV_ROW_BUCKETS", "GemvConfig", "check_gated", "check_grid_rows",
+           "gated_rows", "gemv", "gemv_rows"]

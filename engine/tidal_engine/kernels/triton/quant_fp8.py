@@ -11,6 +11,9 @@
   half the bytes of a bf16 one, so a program keeps fewer bytes in flight for the registers
   its accumulator costs; ``num_stages`` > 1 software-pipelines the K loop (the weight and
   activation tiles stream through shared memory that many iterations ahead, by cp.async).
+  With ``silu_and_mul`` the weight is a gated MLP's gate|up and the kernel writes
+  ``silu(gate) * up``: a program takes gate row i next to up row i and activates its pairs
+  after the sums (decode runs without the activation kernel).
 - ``quantize_rows_fp8``: dynamic per-token activation quantization in one kernel (absmax of
   the row → scale = absmax / 448 → e4m3), in front of ``torch._scaled_mm`` for larger batches.
 """
@@ -23,7 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tidal_engine.kernels.triton.gemv import GemvConfig, check_grid_rows
+from tidal_engine.kernels.triton.activation import silu_mul
+from tidal_engine.kernels.triton.gemv import GemvConfig, check_gated, check_grid_rows, gated_rows
 
 FP8_MAX = tl.constexpr(448.0)
 MIN_SCALE = tl.constexpr(1e-12)  # an all-zero row still gets a finite scale (as quantization/fp8.py)
@@ -69,10 +73,14 @@ def _fp8_gemv_kernel(
     BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     STAGES: tl.constexpr,
+    SILU_AND_MUL: tl.constexpr,
 ):
     m = tl.program_id(0)
-    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
+    if SILU_AND_MUL:  # N activations: weight rows i (gate) and N + i (up)
+        rows, row_ok = gated_rows(tl.program_id(1), N, BLOCK_N)
+    else:
+        rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < N
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
     x_row = x_ptr + m.to(tl.int64) * stride_xm
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
@@ -85,13 +93,22 @@ def _fp8_gemv_kernel(
     y = tl.sum(acc, axis=1) * tl.load(s_ptr + rows, mask=row_ok, other=0.0)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + m.to(tl.int64) * stride_om + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
+    out_row = out_ptr + m.to(tl.int64) * stride_om
+    if SILU_AND_MUL:
+        # gate and up rounded as the plain kernel would store them, then the activation kernel's arithmetic
+        gate, up = tl.split(tl.reshape(y.to(out_ptr.dtype.element_ty).to(tl.float32), (BLOCK_N // 2, 2)))
+        outs = tl.program_id(1) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        tl.store(out_row + outs, silu_mul(gate, up).to(out_ptr.dtype.element_ty), mask=outs < N)
+    else:
+        tl.store(out_row + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-             config: GemvConfig) -> torch.Tensor:
+             config: GemvConfig, silu_and_mul: bool = False) -> torch.Tensor:
     """``x [M, K]`` (16/32-bit) @ ``(weight [N, K] e4m3 * scale [N, 1])^T (+ bias)`` → ``[M, N]`` in x's dtype.
-    ``config``: a GemvConfig, or an Fp8GemvConfig to pipeline the loop."""
+    ``config``: a GemvConfig, or an Fp8GemvConfig to pipeline the loop. ``silu_and_mul``: the
+    weight is gate|up (N = 2I) and the result ``silu(gate) * up``, ``[M, I]``: bit for bit the
+    activation kernel on the plain result (``config.block_n`` >= 2: its rows are pairs)."""
     if x.dim() != 2:
         raise ValueError(f"fp8_gemv takes x of shape [M, K]; got {tuple(x.shape)}")
     n, k = weight.shape
@@ -99,17 +116,18 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: t
         raise ValueError(f"x has {x.shape[1]} features, weight expects {k}")
     if weight.stride(1) != 1 or scale.numel() != n:
         raise ValueError("weight's last dim must be contiguous and scale must hold one value per output row")
-    check_grid_rows(n, config.block_n)
+    n_out, rows_a_program = check_gated(n, config.block_n) if silu_and_mul else (n, config.block_n)
+    check_grid_rows(n_out, rows_a_program)
     if x.stride(1) != 1:
         x = x.contiguous()
     m = x.shape[0]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    _fp8_gemv_kernel[(m, triton.cdiv(n, config.block_n))](
-        x, weight, scale, bias if bias is not None else scale, out, n, k, x.stride(0), weight.stride(0),
+    _fp8_gemv_kernel[(m, triton.cdiv(n_out, rows_a_program))](
+        x, weight, scale, bias if bias is not None else scale, out, n_out, k, x.stride(0), weight.stride(0),
         out.stride(0), BLOCK_N=config.block_n, BLOCK_K=config.block_k, HAS_BIAS=bias is not None,
-        STAGES=getattr(config, "num_stages", 1), num_warps=config.num_warps,
+        STAGES=getattr(config, "num_stages", 1), SILU_AND_MUL=silu_and_mul, num_warps=config.num_warps,
     )
     return out
 
