@@ -65,6 +65,19 @@ def gated_rows(pid, N, BLOCK_N: tl.constexpr):
     return outs + (r % 2) * N, outs < N
 
 
+@triton.jit
+def store_rows(out_row, y, rows, row_ok, pid, N, BLOCK_N: tl.constexpr, SILU_AND_MUL: tl.constexpr):
+    """Store a program's fp32 sums ``y`` (its ``rows``); with ``SILU_AND_MUL`` (rows from
+    ``gated_rows``) its ``silu(gate) * up`` instead: gate and up rounded as the plain store would
+    round them, then the activation kernel's arithmetic."""
+    if SILU_AND_MUL:
+        gate, up = tl.split(tl.reshape(y.to(out_row.dtype.element_ty).to(tl.float32), (BLOCK_N // 2, 2)))
+        outs = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        tl.store(out_row + outs, silu_mul(gate, up).to(out_row.dtype.element_ty), mask=outs < N)
+    else:
+        tl.store(out_row + rows, y.to(out_row.dtype.element_ty), mask=row_ok)
+
+
 # The candidates timed at start-up (each one compiled variant per dtype).
 GEMV_CONFIGS: tuple[GemvConfig, ...] = (
     GemvConfig(1, 1024, 4),
@@ -130,13 +143,7 @@ def _gemv_kernel(
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-    if SILU_AND_MUL:
-        # gate and up rounded as the plain kernel would store them, then the activation kernel's arithmetic
-        gate, up = tl.split(tl.reshape(y.to(out_ptr.dtype.element_ty).to(tl.float32), (BLOCK_N // 2, 2)))
-        outs = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        tl.store(out_ptr + outs, silu_mul(gate, up).to(out_ptr.dtype.element_ty), mask=outs < N)
-    else:
-        tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
+    store_rows(out_ptr, y, rows, row_ok, tl.program_id(0), N, BLOCK_N, SILU_AND_MUL)
 
 
 @triton.jit
@@ -249,4 +256,4 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, confi
 
 
 __all__ = ["GEMV_CONFIGS", "GEMV_ROWS_CONFIGS", "GEMV_ROWS_MAX", "GEMV_ROW_BUCKETS", "GemvConfig", "check_gated", "check_grid_rows",
-           "gated_rows", "gemv", "gemv_rows"]
+           "gated_rows", "gemv", "gemv_rows", "store_rows"]

@@ -26,8 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tidal_engine.kernels.triton.activation import silu_mul
-from tidal_engine.kernels.triton.gemv import GemvConfig, check_gated, check_grid_rows, gated_rows
+from tidal_engine.kernels.triton.gemv import GemvConfig, check_gated, check_grid_rows, gated_rows, store_rows
 
 FP8_MAX = tl.constexpr(448.0)
 MIN_SCALE = tl.constexpr(1e-12)  # an all-zero row still gets a finite scale (as quantization/fp8.py)
@@ -94,13 +93,7 @@ def _fp8_gemv_kernel(
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     out_row = out_ptr + m.to(tl.int64) * stride_om
-    if SILU_AND_MUL:
-        # gate and up rounded as the plain kernel would store them, then the activation kernel's arithmetic
-        gate, up = tl.split(tl.reshape(y.to(out_ptr.dtype.element_ty).to(tl.float32), (BLOCK_N // 2, 2)))
-        outs = tl.program_id(1) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        tl.store(out_row + outs, silu_mul(gate, up).to(out_ptr.dtype.element_ty), mask=outs < N)
-    else:
-        tl.store(out_row + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
+    store_rows(out_row, y, rows, row_ok, tl.program_id(1), N, BLOCK_N, SILU_AND_MUL)
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
