@@ -544,6 +544,8 @@ def suite_tidal(shape: str, folder: Path, results: dict[str, Any], save: Callabl
         "kv_blocks": runner.num_blocks,
         "one_row_linear_choice": {f"{n}x{k}": str(c) if c is not None else "cuBLAS"
                                   for (n, k, _dtype, _bias), c in getattr(runner, "_gemv_choices", {}).items()},
+        # Small shapes' shortlisted tiles, each timed inside the batch-1 decode step (seconds a step).
+        "one_row_step_timings_s": getattr(runner, "gemv_step_timings", {}),
     }
     save()
     counter = StepCounter(runner)

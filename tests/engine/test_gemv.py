@@ -125,11 +125,33 @@ def test_engine_chooses_per_shape_and_single_stream_still_decodes(tmp_path: obje
     prompts = ["hello world", "the tide comes in", "a", "0123456789" * 4, "tidal", "xyz", "paged attention", "batching"]
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
 
+    cache_dir = str(Path(str(tmp_path)) / "cache")  # a fresh choices file: every shape is timed
+
     def run() -> tuple[list[list[int]], int]:
-        llm = LLM(str(folder), device="cuda", dtype="bfloat16", max_model_len=256, num_gpu_blocks_override=128)
+        llm = LLM(str(folder), device="cuda", dtype="bfloat16", max_model_len=256, num_gpu_blocks_override=128,
+                  cache_dir=cache_dir)
         tokens = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]  # one at a time: one-row steps
         routed = sum(getattr(m, "gemv_config", None) is not None for m in llm.engine.runner.model.modules())
         return tokens, routed
+
+    def one_row_choices(llm: object) -> dict[tuple[int, int], str]:
+        return {(n, k): str(c) for (n, k, kind, _), c in llm.engine.runner._gemv_choices.items()  # type: ignore[attr-defined]
+                if not isinstance(kind, str)}
+
+    # The tiny model's weights are all small: the shapes whose tiles timed close alone were
+    # timed again inside the batch-1 decode step, and the step's choice is what was kept and stored.
+    first = LLM(str(folder), device="cuda", dtype="bfloat16", max_model_len=256, num_gpu_blocks_override=128,
+                cache_dir=cache_dir)
+    step_timings = first.engine.runner.gemv_step_timings
+    chosen = one_row_choices(first)
+    for shape, times in step_timings.items():
+        n, k = (int(v) for v in shape.split("x"))
+        assert chosen[(n, k)] in times and all(0 < t < 1 for t in times.values())
+    del first
+    again = LLM(str(folder), device="cuda", dtype="bfloat16", max_model_len=256, num_gpu_blocks_override=128,
+                cache_dir=cache_dir)
+    assert again.engine.runner.gemv_step_timings == {} and one_row_choices(again) == chosen  # from disk, untimed
+    del again
 
     with_choice, _ = run()
     os.environ["TIDAL_GEMV"] = "0"
@@ -381,3 +403,78 @@ def test_few_row_tiles_are_timed_and_set_only_when_asked(monkeypatch: pytest.Mon
         assert model.a.gemv_rows_configs is not None
     else:
         assert few_keys == set() and model.a.gemv_rows_configs is None
+
+
+# ---- small shapes: the isolated timings shortlist, the decode step's time chooses ----
+
+
+def test_shortlist_keeps_the_choice_first_then_the_close_candidates() -> None:
+    from tidal_engine.kernels.gemv_choice import shortlist
+
+    a, b, c, d = GEMV_CONFIGS[:4]
+    timings = {None: 10.0, a: 5.0, b: 5.5, c: 5.7, d: 9.0}
+    assert shortlist(timings, a) == [a, b, c]  # within 15% of the fastest, at most three
+    assert shortlist(timings, a, most=2) == [a, b]
+    assert shortlist(timings, b) == [b, a, c]  # the isolated choice first even if not the fastest
+    assert shortlist({None: 10.0, a: 5.0}, a) == [a]
+
+
+def test_refine_in_step_keeps_each_shapes_fastest_candidate_in_the_step() -> None:
+    # Two shapes; the step's time is a table over the pair of choices. Coordinate descent from
+    # the isolated choices (a, c) finds (b, d); a gain under min_gain keeps the current choice.
+    from torch import nn
+
+    from tidal_engine.kernels.gemv_choice import StepShortlist, refine_in_step
+
+    a, b, c, d = GEMV_CONFIGS[:4]
+    qkv, o1, o2 = nn.Module(), nn.Module(), nn.Module()
+    key1, key2 = (4096, 1024, torch.bfloat16, False), (1024, 2048, torch.bfloat16, False)
+    cache = {key1: a, key2: c}
+    qkv.gemv_config, o1.gemv_config, o2.gemv_config = a, c, c
+    shortlists = {key1: StepShortlist([a, b], [qkv]), key2: StepShortlist([c, d, None], [o1, o2])}
+    step = {(a, c): 1.00, (b, c): 0.96, (b, d): 0.93, (b, None): 0.929}
+
+    def step_seconds() -> float:
+        assert o1.gemv_config == o2.gemv_config  # every linear of a shape moves together
+        return step[(qkv.gemv_config, o1.gemv_config)]
+
+    report = refine_in_step(shortlists, cache, step_seconds, min_gain=0.005)
+    assert cache == {key1: b, key2: d}  # None's 0.1% gain over d is noise, not a reason to switch
+    assert (qkv.gemv_config, o1.gemv_config, o2.gemv_config) == (b, d, d)
+    assert report["4096x1024"] == {str(a): 1.00, str(b): 0.96}
+    assert report["1024x2048"] == {str(c): 0.96, str(d): 0.93, "None": 0.929}
+
+
+def test_choose_gemv_shortlists_only_small_weights_timed_now(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Small weights (at most IN_STEP_MAX_BYTES) get a shortlist with every linear of their shape;
+    # a large one, or a shape whose choice came from disk, gets none.
+    from torch import nn
+
+    from tidal_engine.kernels import gemv_choice
+    from tidal_engine.kernels.triton import gemv as gemv_module
+
+    monkeypatch.setattr(gemv_module, "gemv", lambda x, w, b, config: torch.nn.functional.linear(x, w, b))
+    monkeypatch.setattr(gemv_choice, "rotation_copies", lambda weight: [weight])
+    monkeypatch.setattr(gemv_choice, "IN_STEP_MAX_BYTES", 64 * 32 * 2)
+
+    def fake_time(fn: object, copies: object) -> float:  # cuBLAS slowest, then the tiles in list order
+        tile = (getattr(fn, "__defaults__", None) or (None,))[0]
+        return 1.0 if tile is None else 0.5 + 0.01 * GEMV_CONFIGS.index(tile)
+
+    monkeypatch.setattr(gemv_choice, "time_in_graph", fake_time)
+    torch.manual_seed(5)
+    model = nn.Module()
+    model.small1, model.small2 = Linear(64, 32), Linear(64, 32)
+    model.large = Linear(64, 64)
+    model.stored = Linear(32, 16)
+    for m in model.children():
+        torch.nn.init.normal_(m.weight)
+    model.to(torch.bfloat16)
+    cache: dict = {(16, 32, torch.bfloat16, False): GEMV_CONFIGS[0]}
+    shortlists: dict = {}
+    gemv_choice.choose_gemv(model, cache, few_rows=False, shortlists=shortlists)
+    assert list(shortlists) == [(32, 64, torch.bfloat16, False)]
+    entry = shortlists[(32, 64, torch.bfloat16, False)]
+    assert entry.modules == [model.small1, model.small2]
+    assert entry.candidates[0] == cache[(32, 64, torch.bfloat16, False)] == GEMV_CONFIGS[0]
+    assert entry.candidates[1:] == list(GEMV_CONFIGS[1:3])

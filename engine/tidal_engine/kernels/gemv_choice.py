@@ -22,6 +22,7 @@ import logging
 import os
 import statistics
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,28 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 Candidate = Any  # a GemvConfig, or None for cuBLAS
+
+# A weight this small is read in a few microseconds: its one-row time in the decode step is set
+# as much by the kernels around it as by its bytes, and timed alone the tiles' order flips from
+# run to run (0.6B shapes on the H200: up to ~7% of the step between two such choices,
+# benchmarks/results/h200-2026-12-01f-lead call 4). Its isolated timings only shortlist; the
+# runner times the shortlist inside the decode step (``refine_in_step``).
+IN_STEP_MAX_BYTES = 16 << 20
+
+
+@dataclass
+class StepShortlist:
+    """The one-row candidates of one weight shape worth timing inside the decode step (the
+    isolated choice first, then the rest by isolated time) and the linears of that shape."""
+    candidates: list[Candidate]
+    modules: list[nn.Module] = field(default_factory=list)
+
+
+def shortlist(timings: dict[Candidate, float], choice: Candidate, within: float = 0.15, most: int = 3) -> list[Candidate]:
+    """``choice`` and the other candidates timed within ``within`` of the fastest, at most ``most``."""
+    best = min(timings.values())
+    close = [c for c in sorted(timings, key=timings.__getitem__) if c != choice and timings[c] <= best * (1 + within)]
+    return [choice, *close][:most]
 
 
 def gemv_wanted(dtype: torch.dtype) -> bool:
@@ -95,7 +118,8 @@ def rotation_sets(tensors: tuple[torch.Tensor, ...], l2_bytes: int = 64 << 20) -
     return [tensors] + [tuple(t.clone() for t in tensors) for _ in range(count - 1)]
 
 
-def _choose_small_batch(module: nn.Module, cache: dict[Any, Candidate], dtype: torch.dtype) -> bool:
+def _choose_small_batch(module: nn.Module, cache: dict[Any, Candidate], dtype: torch.dtype,
+                        shortlists: dict[Any, StepShortlist] | None = None) -> bool:
     """Time a quantized linear's small-batch kernel candidates against its general path at one
     row and at ``GEMV_MAX_ROWS`` rows of ``dtype`` activations; set ``gemv_config`` /
     ``gemv_config_few``. Returns whether the one-row input uses the kernel."""
@@ -136,10 +160,23 @@ def _choose_small_batch(module: nn.Module, cache: dict[Any, Candidate], dtype: t
             cache[key] = pick_fastest(timings)
             logger.info("%d-row %s linear %dx%d: %s (%s)", rows, kind, key[0], key[1], cache[key] or "general path",
                         ", ".join(f"{c or 'general'}={t * 1e6:.1f}us" for c, t in timings.items()))
+            if rows == 1:
+                _note_shortlist(shortlists, key, timings, cache[key], sum(t.numel() * t.element_size() for t in weights))
         setattr(module, attr, cache[key])
+        if rows == 1 and shortlists is not None and key in shortlists:
+            shortlists[key].modules.append(module)
     del copies
     method.warm_up(module, dtype)
     return module.gemv_config is not None
+
+
+def _note_shortlist(shortlists: dict[Any, StepShortlist] | None, key: Any, timings: dict[Candidate, float],
+                    choice: Candidate, weight_bytes: int) -> None:
+    if shortlists is None or weight_bytes > IN_STEP_MAX_BYTES:
+        return
+    candidates = shortlist(timings, choice)
+    if len(candidates) > 1:
+        shortlists[key] = StepShortlist(candidates)
 
 
 def _choose_few_rows(weight: torch.Tensor, bias: torch.Tensor | None, cache: dict[Any, Candidate],
@@ -203,11 +240,14 @@ def _run_dtype(module: nn.Module, fallback: torch.dtype) -> torch.dtype:
 
 
 def choose_gemv(model: nn.Module, cache: dict[tuple[int, int, torch.dtype, bool], Candidate],
-                dtype: torch.dtype | None = None, few_rows: bool = True) -> dict[str, int]:
+                dtype: torch.dtype | None = None, few_rows: bool = True,
+                shortlists: dict[Any, StepShortlist] | None = None) -> dict[str, int]:
     """Set ``gemv_config`` on every Linear of ``model`` (CUDA, 16-bit); ``cache`` keeps the
     choice per (N, K, dtype, bias) across model reloads (sleep level 2). ``dtype`` is the run
     dtype (the activations of quantized linears; default: the model's first 16-bit parameter).
     ``few_rows``: also time and set the few-row tiles (``gemv_rows_configs``).
+    ``shortlists``: filled, for each one-row key timed now whose weights are at most
+    ``IN_STEP_MAX_BYTES``, with its close candidates and its linears, for ``refine_in_step``.
     Returns counts (quantized linears count as "gemv" when their one-row input uses the kernel)."""
     from tidal_engine.kernels.triton.gemv import GEMV_CONFIGS, GEMV_ROWS_MAX, gemv
     from tidal_engine.layers.linear import LinearBase, UnquantizedLinearMethod
@@ -218,7 +258,7 @@ def choose_gemv(model: nn.Module, cache: dict[tuple[int, int, torch.dtype, bool]
     with torch.inference_mode():
         for module in model.modules():
             if isinstance(module, LinearBase) and isinstance(module.method, SmallBatchKernel):
-                chosen["gemv" if _choose_small_batch(module, cache, run_dtype) else "cublas"] += 1
+                chosen["gemv" if _choose_small_batch(module, cache, run_dtype, shortlists) else "cublas"] += 1
                 compile_folded(module, run_dtype, GEMV_ROWS_MAX)
                 continue
             if not isinstance(module, LinearBase) or not isinstance(module.method, UnquantizedLinearMethod) \
@@ -244,13 +284,49 @@ def choose_gemv(model: nn.Module, cache: dict[tuple[int, int, torch.dtype, bool]
                 cache[key] = pick_fastest(timings)
                 logger.info("one-row linear %dx%d: %s (%s)", key[0], key[1], cache[key] or "cuBLAS",
                             ", ".join(f"{c or 'cuBLAS'}={t * 1e6:.1f}us" for c, t in timings.items()))
+                _note_shortlist(shortlists, key, timings, cache[key], weight.numel() * weight.element_size())
             module.gemv_config = cache[key]
+            if shortlists is not None and key in shortlists:
+                shortlists[key].modules.append(module)
             if few_rows:
                 module.gemv_rows_configs = _choose_few_rows(weight, bias, cache, copies)
             del copies
             compile_folded(module, weight.dtype, GEMV_ROWS_MAX)
             chosen["gemv" if cache[key] is not None else "cublas"] += 1
     return chosen
+
+
+def refine_in_step(shortlists: dict[Any, StepShortlist], cache: dict[Any, Candidate],
+                   step_seconds: Callable[[], float], min_gain: float = 0.005) -> dict[str, dict[str, float]]:
+    """Choose each shortlisted shape's one-row candidate by the decode step's time: one pass of
+    coordinate descent, each shape's candidates timed in turn with the others at their current
+    choice (``step_seconds`` times the step as the modules are set now). A candidate replaces
+    the current one only if the step is faster by ``min_gain``, so noise never swaps. Updates
+    ``cache`` and the linears' ``gemv_config``; returns the step times per shape and candidate."""
+    report: dict[str, dict[str, float]] = {}
+    current = step_seconds()
+    for key, entry in shortlists.items():
+        times = {str(cache[key]): current}
+        for candidate in entry.candidates:
+            if candidate == cache[key]:
+                continue
+            previous = cache[key]
+            _set_one_row(entry.modules, candidate)
+            seconds = step_seconds()
+            times[str(candidate)] = seconds
+            if seconds < current * (1 - min_gain):
+                cache[key], current = candidate, seconds
+            else:
+                _set_one_row(entry.modules, previous)
+        report[f"{key[0]}x{key[1]}"] = times
+        logger.info("one-row linear %dx%d in the decode step: %s (%s)", key[0], key[1], cache[key] or "general path",
+                    ", ".join(f"{c}={t * 1e6:.1f}us" for c, t in times.items()))
+    return report
+
+
+def _set_one_row(modules: list[nn.Module], candidate: Candidate) -> None:
+    for module in modules:
+        module.gemv_config = candidate
 
 
 def launch_candidates(model: nn.Module, cache: dict[Any, Candidate], few_rows: bool = True) -> int:
@@ -356,5 +432,6 @@ def choices_file(cache_dir: Path) -> Path:
     return cache_dir / "gemv" / f"{gemv_cache_key(torch.cuda.get_device_name(), versions)}.json"
 
 
-__all__ = ["choices_file", "choose_gemv", "compile_folded", "gemv_wanted", "is_device_fault", "launch_candidates", "load_choices", "pick_fastest",
-           "rotation_copies", "save_choices", "time_in_graph"]
+__all__ = ["IN_STEP_MAX_BYTES", "StepShortlist", "choices_file", "choose_gemv", "compile_folded", "gemv_wanted",
+           "is_device_fault", "launch_candidates", "load_choices", "pick_fastest", "refine_in_step", "rotation_copies",
+           "save_choices", "shortlist", "time_in_graph"]

@@ -155,6 +155,34 @@ class DecodeGraphs:
         logger.info("captured %d decode CUDA graphs (batch %d..%d) in %.2f s",
                     len(self.graphs), self.sizes[0], self.sizes[-1], self.capture_seconds)
 
+    @torch.inference_mode()
+    def step_seconds(self, b: int, replays: int = 10, samples: int = 3) -> float:
+        """GPU seconds of one decode step of bucket ``b`` as a graph replays it, on the dummy
+        inputs: a fresh warm-up (kernels new since the last capture compile here, not under
+        capture) and capture, the median of ``samples`` runs of ``replays`` replays, and the
+        graph dropped. Start-up times kernel choices inside the step with it."""
+        self._dummy_inputs(b)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self._forward(b)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            self._forward(b)
+        graph.replay()
+        runs = []
+        for _ in range(samples):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(replays):
+                graph.replay()
+            end.record()
+            end.synchronize()
+            runs.append(start.elapsed_time(end) / 1e3 / replays)
+        del graph
+        return sorted(runs)[len(runs) // 2]
+
     def replay(
         self, b: int, staged: torch.Tensor, block_tables: torch.Tensor,
         stage_input: tuple[torch.Tensor, torch.Tensor] | None = None,

@@ -160,6 +160,7 @@ class ModelRunner:
         self.mixed_graphs: MixedGraphs | None = None
         self.verify_graphs: VerifyGraphs | None = None  # speculative decoding's verify steps
         self._gemv_choices: dict = {}  # (N, K, dtype, bias) → GEMV config or None (cuBLAS)
+        self.gemv_step_timings: dict[str, dict[str, float]] = {}  # shape → candidate → step seconds (start-up)
         clock.mark("sampler_and_buffers")
         self.compile_ahead_report: dict[str, Any] = {}
         self._compile_ahead()
@@ -404,12 +405,17 @@ class ModelRunner:
         if not self._graphs_wanted():
             return
         wanted = specialization_sizes(self.cuda_graph_sizes)
-        shape = (2, 1, self.config.block_size, self.kv_spec.num_kv_heads, self.kv_spec.head_dim)
-        caches = [torch.empty(shape, dtype=self.kv_dtype, device=self.device) for _ in range(self.kv_spec.num_layers)]
-        max_blocks = -(-self.max_model_len // self.config.block_size)
-        graphs = DecodeGraphs(self.model, caches, wanted, max_blocks, self.device)
+        graphs = self._throwaway_decode_graphs(wanted)
         for b in wanted:
             graphs.run_eager(b)
+
+    def _throwaway_decode_graphs(self, sizes: list[int]) -> DecodeGraphs:
+        """Decode graphs over one-block caches of their own (the dummy inputs write no KV and
+        read block 0 only), for dry runs and start-up timings before the real cache exists."""
+        shape = (2, 1, self.config.block_size, self.kv_spec.num_kv_heads, self.kv_spec.head_dim)
+        caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(self.kv_spec.num_layers)]
+        max_blocks = -(-self.max_model_len // self.config.block_size)
+        return DecodeGraphs(self.model, caches, sizes, max_blocks, self.device)
 
     def _gemv_choice_applies(self) -> bool:
         if not self._uses_triton() or self.lora_manager is not None:
@@ -445,10 +451,25 @@ class ModelRunner:
             disk = choices_file(self.cache_dir)
             self._load_gemv_choices()
             known = len(self._gemv_choices)
-            counts = choose_gemv(self.model, self._gemv_choices, few_rows=self._few_row_linears_wanted())
+            shortlists: dict = {}
+            counts = choose_gemv(self.model, self._gemv_choices, few_rows=self._few_row_linears_wanted(),
+                                 shortlists=shortlists)
+            self._refine_choices_in_step(shortlists)
             if len(self._gemv_choices) > known:
                 save_choices(disk, self._gemv_choices)
             logger.info("one-row linears: %d on the Triton GEMV, %d on cuBLAS", counts["gemv"], counts["cublas"])
+
+    def _refine_choices_in_step(self, shortlists: dict) -> None:
+        """Small weights' one-row tiles, chosen by the batch-1 decode step's time rather than
+        alone (kernels/gemv_choice.py ``refine_in_step``); only shapes timed now, so a start
+        with the choices on disk does none of it. One process only: ranks timing different
+        candidates would stall each other's collectives."""
+        if not shortlists or not self._graphs_wanted() or get_parallel().world_size > 1:
+            return
+        from tidal_engine.kernels.gemv_choice import refine_in_step
+
+        graphs = self._throwaway_decode_graphs([1])
+        self.gemv_step_timings = refine_in_step(shortlists, self._gemv_choices, lambda: graphs.step_seconds(1))
 
     def _allocate_kv_caches(self) -> list[torch.Tensor]:
         """One cache per layer. With sleep mode on CUDA they are views into one fixed-address
