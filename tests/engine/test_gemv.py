@@ -408,15 +408,16 @@ def test_few_row_tiles_are_timed_and_set_only_when_asked(monkeypatch: pytest.Mon
 # ---- small shapes: the isolated timings shortlist, the decode step's time chooses ----
 
 
-def test_shortlist_keeps_the_choice_first_then_the_close_candidates() -> None:
+def test_shortlist_is_the_choice_then_the_rest_fastest_alone_first() -> None:
     from tidal_engine.kernels.gemv_choice import shortlist
 
     a, b, c, d = GEMV_CONFIGS[:4]
     timings = {None: 10.0, a: 5.0, b: 5.5, c: 5.7, d: 9.0}
-    assert shortlist(timings, a) == [a, b, c]  # within 15% of the fastest, at most three
-    assert shortlist(timings, a, most=2) == [a, b]
-    assert shortlist(timings, b) == [b, a, c]  # the isolated choice first even if not the fastest
-    assert shortlist({None: 10.0, a: 5.0}, a) == [a]
+    assert shortlist(timings, a) == [a, b, c, d, None]
+    assert shortlist(timings, None) == [None, a, b, c, d]  # the isolated choice first even if not the fastest
+    assert shortlist({None: 10.0}, None) == [None]
+    assert shortlist(timings, a, within=0.15, most=1) == [a, b]  # a large weight: near-ties only
+    assert shortlist(timings, None, within=0.15) == [None, a, b, c]
 
 
 def test_refine_in_step_keeps_each_shapes_fastest_candidate_in_the_step() -> None:
@@ -445,9 +446,9 @@ def test_refine_in_step_keeps_each_shapes_fastest_candidate_in_the_step() -> Non
     assert report["1024x2048"] == {str(c): 0.96, str(d): 0.93, "None": 0.929}
 
 
-def test_choose_gemv_shortlists_only_small_weights_timed_now(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Small weights (at most IN_STEP_MAX_BYTES) get a shortlist with every linear of their shape;
-    # a large one, or a shape whose choice came from disk, gets none.
+def test_choose_gemv_shortlists_the_shapes_timed_now(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A small weight (at most IN_STEP_MAX_BYTES) gets every candidate, with every linear of its
+    # shape; a large one its near-ties only; a shape whose choice came from disk nothing.
     from torch import nn
 
     from tidal_engine.kernels import gemv_choice
@@ -473,8 +474,34 @@ def test_choose_gemv_shortlists_only_small_weights_timed_now(monkeypatch: pytest
     cache: dict = {(16, 32, torch.bfloat16, False): GEMV_CONFIGS[0]}
     shortlists: dict = {}
     gemv_choice.choose_gemv(model, cache, few_rows=False, shortlists=shortlists)
-    assert list(shortlists) == [(32, 64, torch.bfloat16, False)]
+    assert list(shortlists) == [(32, 64, torch.bfloat16, False), (64, 64, torch.bfloat16, False)]
+    large = shortlists[(64, 64, torch.bfloat16, False)]
+    assert large.modules == [model.large]
+    assert large.candidates == list(GEMV_CONFIGS[:1 + gemv_choice.IN_STEP_LARGE_MOST])  # 0.5, 0.51, 0.52: within 10%
     entry = shortlists[(32, 64, torch.bfloat16, False)]
     assert entry.modules == [model.small1, model.small2]
-    assert entry.candidates[0] == cache[(32, 64, torch.bfloat16, False)] == GEMV_CONFIGS[0]
-    assert entry.candidates[1:] == list(GEMV_CONFIGS[1:3])
+    assert entry.candidates == [*GEMV_CONFIGS, None]  # every tile (the fastest alone first), then cuBLAS
+    assert cache[(32, 64, torch.bfloat16, False)] == GEMV_CONFIGS[0]
+
+
+def test_compile_ahead_launches_a_gate_up_weights_tiles_with_the_activation_folded_in(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Any of them may be timed in the decode step, where the gate|up GEMV runs with SiLU-and-mul
+    # folded in: a dry run launches both forms of every one-row tile, so none compiles then.
+    from torch import nn
+
+    from tidal_engine.kernels import gemv_choice
+    from tidal_engine.kernels.triton import gemv as gemv_module
+
+    calls: list[tuple[GemvConfig, bool]] = []
+    monkeypatch.setattr(gemv_module, "gemv", lambda x, w, b, config, silu_and_mul=False: calls.append((config, silu_and_mul)))
+    model = nn.Module()
+    model.gate_up, model.down = Linear(32, 48), Linear(24, 32)
+    model.gate_up.output_activation_name = SiluAndMul.name
+    model.to(torch.bfloat16)
+    launched = gemv_choice.launch_candidates(model, {}, few_rows=False)
+    assert launched == len(calls) == 3 * len(GEMV_CONFIGS)  # gate_up: plain and folded; down: plain
+    assert sorted((c for c, folded in calls if folded), key=str) == sorted(GEMV_CONFIGS, key=str)
+    calls.clear()
+    gemv_choice.launch_candidates(model, {(48, 32, torch.bfloat16, False): None}, few_rows=False)
+    assert len(calls) == len(GEMV_CONFIGS) and not any(folded for _, folded in calls)  # gate_up's choice is stored

@@ -33,27 +33,35 @@ logger = logging.getLogger(__name__)
 
 Candidate = Any  # a GemvConfig, or None for cuBLAS
 
-# A weight this small is read in a few microseconds: its one-row time in the decode step is set
-# as much by the kernels around it as by its bytes, and timed alone the tiles' order flips from
-# run to run (0.6B shapes on the H200: up to ~7% of the step between two such choices,
-# benchmarks/results/h200-2026-12-01f-lead call 4). Its isolated timings only shortlist; the
-# runner times the shortlist inside the decode step (``refine_in_step``).
+# The one-row tile that is fastest alone is not always the fastest in the decode step: the
+# kernels around it and what they leave in the L2 change the order (0.6B: up to ~7% of the step
+# between two choices, benchmarks/results/h200-2026-12-01f-lead call 4; 8B: 220.5 against 214.1
+# tok/s, h200-2026-12-01g-lead). So the isolated timings only shortlist, and the runner times the
+# shortlist inside the batch-1 decode step (``refine_in_step``). A weight this small is read in a
+# few microseconds and its order flips from run to run: every candidate is timed in the step.
 IN_STEP_MAX_BYTES = 16 << 20
+# A larger weight's alternatives: those within this much of the fastest alone, at most this many
+# (each costs a step capture and a few replays of a start-up's time).
+IN_STEP_LARGE_WITHIN = 0.10
+IN_STEP_LARGE_MOST = 2
 
 
 @dataclass
 class StepShortlist:
-    """The one-row candidates of one weight shape worth timing inside the decode step (the
-    isolated choice first, then the rest by isolated time) and the linears of that shape."""
+    """The one-row candidates of one weight shape to time inside the decode step (the isolated
+    choice first, then the rest by isolated time) and the linears of that shape."""
     candidates: list[Candidate]
     modules: list[nn.Module] = field(default_factory=list)
 
 
-def shortlist(timings: dict[Candidate, float], choice: Candidate, within: float = 0.15, most: int = 3) -> list[Candidate]:
-    """``choice`` and the other candidates timed within ``within`` of the fastest, at most ``most``."""
+def shortlist(timings: dict[Candidate, float], choice: Candidate, within: float | None = None,
+              most: int | None = None) -> list[Candidate]:
+    """``choice``, then the other timed candidates fastest alone first: all of them, or those
+    within ``within`` of the fastest, at most ``most`` of them."""
     best = min(timings.values())
-    close = [c for c in sorted(timings, key=timings.__getitem__) if c != choice and timings[c] <= best * (1 + within)]
-    return [choice, *close][:most]
+    others = [c for c in sorted(timings, key=timings.__getitem__)
+              if c != choice and (within is None or timings[c] <= best * (1 + within))]
+    return [choice, *others[:most]]
 
 
 def gemv_wanted(dtype: torch.dtype) -> bool:
@@ -172,9 +180,12 @@ def _choose_small_batch(module: nn.Module, cache: dict[Any, Candidate], dtype: t
 
 def _note_shortlist(shortlists: dict[Any, StepShortlist] | None, key: Any, timings: dict[Candidate, float],
                     choice: Candidate, weight_bytes: int) -> None:
-    if shortlists is None or weight_bytes > IN_STEP_MAX_BYTES:
+    if shortlists is None:
         return
-    candidates = shortlist(timings, choice)
+    if weight_bytes <= IN_STEP_MAX_BYTES:
+        candidates = shortlist(timings, choice)
+    else:
+        candidates = shortlist(timings, choice, IN_STEP_LARGE_WITHIN, IN_STEP_LARGE_MOST)
     if len(candidates) > 1:
         shortlists[key] = StepShortlist(candidates)
 
@@ -246,8 +257,8 @@ def choose_gemv(model: nn.Module, cache: dict[tuple[int, int, torch.dtype, bool]
     choice per (N, K, dtype, bias) across model reloads (sleep level 2). ``dtype`` is the run
     dtype (the activations of quantized linears; default: the model's first 16-bit parameter).
     ``few_rows``: also time and set the few-row tiles (``gemv_rows_configs``).
-    ``shortlists``: filled, for each one-row key timed now whose weights are at most
-    ``IN_STEP_MAX_BYTES``, with its close candidates and its linears, for ``refine_in_step``.
+    ``shortlists``: filled, for each one-row key timed now that has more than one candidate
+    worth timing in the decode step, with those candidates and its linears (``refine_in_step``).
     Returns counts (quantized linears count as "gemv" when their one-row input uses the kernel)."""
     from tidal_engine.kernels.triton.gemv import GEMV_CONFIGS, GEMV_ROWS_MAX, gemv
     from tidal_engine.layers.linear import LinearBase, UnquantizedLinearMethod
@@ -354,12 +365,15 @@ def launch_candidates(model: nn.Module, cache: dict[Any, Candidate], few_rows: b
                     continue
                 shapes.add(key)
                 x = torch.empty(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
+                # A gate|up weight's tiles may be timed in the decode step, with SiLU-and-mul folded in.
+                fold = rows == 1 and getattr(module, "output_activation_name", None) == "silu_and_mul"
                 for config in configs:
-                    try:
-                        kernel(x, weight, bias, config)
-                    except ValueError:
-                        continue
-                    launched += 1
+                    for folded in (False, True) if fold else (False,):
+                        try:
+                            kernel(x, weight, bias, config, silu_and_mul=True) if folded else kernel(x, weight, bias, config)
+                        except ValueError:
+                            continue
+                        launched += 1
     return launched
 
 
@@ -432,6 +446,6 @@ def choices_file(cache_dir: Path) -> Path:
     return cache_dir / "gemv" / f"{gemv_cache_key(torch.cuda.get_device_name(), versions)}.json"
 
 
-__all__ = ["IN_STEP_MAX_BYTES", "StepShortlist", "choices_file", "choose_gemv", "compile_folded", "gemv_wanted",
+__all__ = ["IN_STEP_LARGE_MOST", "IN_STEP_LARGE_WITHIN", "IN_STEP_MAX_BYTES", "StepShortlist", "choices_file", "choose_gemv", "compile_folded", "gemv_wanted",
            "is_device_fault", "launch_candidates", "load_choices", "pick_fastest", "refine_in_step", "rotation_copies",
            "save_choices", "shortlist", "time_in_graph"]

@@ -460,8 +460,8 @@ class ModelRunner:
             logger.info("one-row linears: %d on the Triton GEMV, %d on cuBLAS", counts["gemv"], counts["cublas"])
 
     def _refine_choices_in_step(self, shortlists: dict) -> None:
-        """Small weights' one-row tiles, chosen by the batch-1 decode step's time rather than
-        alone (kernels/gemv_choice.py ``refine_in_step``); only shapes timed now, so a start
+        """One-row tiles chosen by the batch-1 decode step's time among the isolated timings'
+        shortlist (kernels/gemv_choice.py ``refine_in_step``); only shapes timed now, so a start
         with the choices on disk does none of it. One process only: ranks timing different
         candidates would stall each other's collectives."""
         if not shortlists or not self._graphs_wanted() or get_parallel().world_size > 1:
@@ -469,7 +469,15 @@ class ModelRunner:
         from tidal_engine.kernels.gemv_choice import refine_in_step
 
         graphs = self._throwaway_decode_graphs([1])
-        self.gemv_step_timings = refine_in_step(shortlists, self._gemv_choices, lambda: graphs.step_seconds(1))
+        replays = 10
+
+        def step_seconds() -> float:
+            nonlocal replays
+            seconds = graphs.step_seconds(1, replays=replays)
+            replays = max(3, min(10, round(0.02 / seconds)))  # ~20 ms of replays a sample: 0.6B 10, 8B 4
+            return seconds
+
+        self.gemv_step_timings = refine_in_step(shortlists, self._gemv_choices, step_seconds)
 
     def _allocate_kv_caches(self) -> list[torch.Tensor]:
         """One cache per layer. With sleep mode on CUDA they are views into one fixed-address
