@@ -416,8 +416,17 @@ def test_shortlist_is_the_choice_then_the_rest_fastest_alone_first() -> None:
     assert shortlist(timings, a) == [a, b, c, d, None]
     assert shortlist(timings, None) == [None, a, b, c, d]  # the isolated choice first even if not the fastest
     assert shortlist({None: 10.0}, None) == [None]
-    assert shortlist(timings, a, within=0.15, most=1) == [a, b]  # a large weight: near-ties only
-    assert shortlist(timings, None, within=0.15) == [None, a, b, c]
+
+
+def test_a_large_weights_shortlist_is_the_other_kinds_best_and_a_near_tie() -> None:
+    from tidal_engine.kernels.gemv_choice import large_shortlist
+
+    a, b, c = GEMV_CONFIGS[:3]
+    assert large_shortlist({None: 10.0, a: 5.0, b: 5.1, c: 5.7}, a) == [a, None, b]  # b within 3% of a
+    assert large_shortlist({None: 10.0, a: 5.0, b: 5.5}, a) == [a, None]
+    assert large_shortlist({None: 4.0, a: 5.0, b: 5.1}, None) == [None, a]  # the best tile; no tile near 4.0
+    assert large_shortlist({None: 5.0, a: 4.9, b: 5.0}, None) == [None, a, b]  # cuBLAS kept by the 3% rule
+    assert large_shortlist({None: 5.0}, None) == [None]
 
 
 def test_refine_in_step_keeps_each_shapes_fastest_candidate_in_the_step() -> None:
@@ -448,7 +457,7 @@ def test_refine_in_step_keeps_each_shapes_fastest_candidate_in_the_step() -> Non
 
 def test_choose_gemv_shortlists_the_shapes_timed_now(monkeypatch: pytest.MonkeyPatch) -> None:
     # A small weight (at most IN_STEP_MAX_BYTES) gets every candidate, with every linear of its
-    # shape; a large one its near-ties only; a shape whose choice came from disk nothing.
+    # shape; a large one its large_shortlist; a shape whose choice came from disk nothing.
     from torch import nn
 
     from tidal_engine.kernels import gemv_choice
@@ -477,7 +486,7 @@ def test_choose_gemv_shortlists_the_shapes_timed_now(monkeypatch: pytest.MonkeyP
     assert list(shortlists) == [(32, 64, torch.bfloat16, False), (64, 64, torch.bfloat16, False)]
     large = shortlists[(64, 64, torch.bfloat16, False)]
     assert large.modules == [model.large]
-    assert large.candidates == list(GEMV_CONFIGS[:1 + gemv_choice.IN_STEP_LARGE_MOST])  # 0.5, 0.51, 0.52: within 10%
+    assert large.candidates == [GEMV_CONFIGS[0], None, GEMV_CONFIGS[1]]  # 0.5 alone, cuBLAS, 0.51 within 3%
     entry = shortlists[(32, 64, torch.bfloat16, False)]
     assert entry.modules == [model.small1, model.small2]
     assert entry.candidates == [*GEMV_CONFIGS, None]  # every tile (the fastest alone first), then cuBLAS

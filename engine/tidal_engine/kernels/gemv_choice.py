@@ -40,10 +40,10 @@ Candidate = Any  # a GemvConfig, or None for cuBLAS
 # shortlist inside the batch-1 decode step (``refine_in_step``). A weight this small is read in a
 # few microseconds and its order flips from run to run: every candidate is timed in the step.
 IN_STEP_MAX_BYTES = 16 << 20
-# A larger weight's alternatives: those within this much of the fastest alone, at most this many
-# (each costs a step capture and a few replays of a start-up's time).
-IN_STEP_LARGE_WITHIN = 0.10
-IN_STEP_LARGE_MOST = 2
+# A larger weight's alternatives (each costs a capture and a few replays of the 8B cold start's
+# 10 s): the other kind's best (a tile against the library kernel, or the reverse: alone, their
+# order flipped between two starts on one H200) and a tile within this much of the fastest alone.
+IN_STEP_LARGE_WITHIN = 0.03
 
 
 @dataclass
@@ -54,14 +54,9 @@ class StepShortlist:
     modules: list[nn.Module] = field(default_factory=list)
 
 
-def shortlist(timings: dict[Candidate, float], choice: Candidate, within: float | None = None,
-              most: int | None = None) -> list[Candidate]:
-    """``choice``, then the other timed candidates fastest alone first: all of them, or those
-    within ``within`` of the fastest, at most ``most`` of them."""
-    best = min(timings.values())
-    others = [c for c in sorted(timings, key=timings.__getitem__)
-              if c != choice and (within is None or timings[c] <= best * (1 + within))]
-    return [choice, *others[:most]]
+def shortlist(timings: dict[Candidate, float], choice: Candidate) -> list[Candidate]:
+    """``choice``, then every other timed candidate, fastest alone first."""
+    return [choice, *(c for c in sorted(timings, key=timings.__getitem__) if c != choice)]
 
 
 def gemv_wanted(dtype: torch.dtype) -> bool:
@@ -178,14 +173,21 @@ def _choose_small_batch(module: nn.Module, cache: dict[Any, Candidate], dtype: t
     return module.gemv_config is not None
 
 
+def large_shortlist(timings: dict[Candidate, float], choice: Candidate) -> list[Candidate]:
+    """``choice``, the fastest alone of the other kind (cuBLAS / the general path against the
+    tiles), and the fastest other tile within ``IN_STEP_LARGE_WITHIN`` of the fastest alone."""
+    ranked = sorted(timings, key=timings.__getitem__)
+    other_kind = next((c for c in ranked if (c is None) != (choice is None)), choice)
+    near_tie = next((c for c in ranked if c is not None and c not in (choice, other_kind)
+                     and timings[c] <= timings[ranked[0]] * (1 + IN_STEP_LARGE_WITHIN)), choice)
+    return list(dict.fromkeys([choice, other_kind, near_tie]))
+
+
 def _note_shortlist(shortlists: dict[Any, StepShortlist] | None, key: Any, timings: dict[Candidate, float],
                     choice: Candidate, weight_bytes: int) -> None:
     if shortlists is None:
         return
-    if weight_bytes <= IN_STEP_MAX_BYTES:
-        candidates = shortlist(timings, choice)
-    else:
-        candidates = shortlist(timings, choice, IN_STEP_LARGE_WITHIN, IN_STEP_LARGE_MOST)
+    candidates = shortlist(timings, choice) if weight_bytes <= IN_STEP_MAX_BYTES else large_shortlist(timings, choice)
     if len(candidates) > 1:
         shortlists[key] = StepShortlist(candidates)
 
@@ -446,6 +448,6 @@ def choices_file(cache_dir: Path) -> Path:
     return cache_dir / "gemv" / f"{gemv_cache_key(torch.cuda.get_device_name(), versions)}.json"
 
 
-__all__ = ["IN_STEP_LARGE_MOST", "IN_STEP_LARGE_WITHIN", "IN_STEP_MAX_BYTES", "StepShortlist", "choices_file", "choose_gemv", "compile_folded", "gemv_wanted",
+__all__ = ["IN_STEP_LARGE_WITHIN", "IN_STEP_MAX_BYTES", "StepShortlist", "choices_file", "choose_gemv", "compile_folded", "gemv_wanted", "large_shortlist",
            "is_device_fault", "launch_candidates", "load_choices", "pick_fastest", "refine_in_step", "rotation_copies",
            "save_choices", "shortlist", "time_in_graph"]

@@ -469,12 +469,12 @@ class ModelRunner:
         from tidal_engine.kernels.gemv_choice import refine_in_step
 
         graphs = self._throwaway_decode_graphs([1])
-        replays = 10
+        replays = 3
 
         def step_seconds() -> float:
             nonlocal replays
             seconds = graphs.step_seconds(1, replays=replays)
-            replays = max(3, min(10, round(0.02 / seconds)))  # ~20 ms of replays a sample: 0.6B 10, 8B 4
+            replays = max(2, min(10, round(0.01 / seconds)))  # ~10 ms of replays a sample: 0.6B 10, 8B 2
             return seconds
 
         self.gemv_step_timings = refine_in_step(shortlists, self._gemv_choices, step_seconds)
