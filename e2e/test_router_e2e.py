@@ -300,6 +300,15 @@ def test_killed_engine_later_requests_succeed_on_the_other_replica(real_stack: A
     pgid = rs.engine_process_group(real_stack.state_dir, "default", victim)
 
     gone_at: list[float] = []  # when the process was seen gone (its sockets closed)
+    noticed_at: list[float] = []  # when the router's upstream-error count was first seen to move
+
+    def upstream_errors() -> float:
+        return rs.metric(router_metrics(real_stack), "tidal_router_upstream_errors_total", model=ALPHA)
+
+    async def watch_router() -> None:
+        while await asyncio.to_thread(upstream_errors) <= errors_before:
+            await asyncio.sleep(0.02)
+        noticed_at.append(time.monotonic())
 
     async def scenario() -> tuple[rs.Workers, float]:
         # Distinct prompts (prefixHash is on): both replicas get work. 4 plain clients and 2
@@ -317,26 +326,32 @@ def test_killed_engine_later_requests_succeed_on_the_other_replica(real_stack: A
         await until(lambda: {a.replica for a in workers.answers} >= set(pods), "both replicas answering", 60)
         rs.kill_process_group(pgid)
         killed_at = time.monotonic()
+        watcher = asyncio.create_task(watch_router())
         await until(lambda: rs.process_gone(pgid), "the engine process gone", 10)
         gone_at.append(time.monotonic())
         await until(lambda: sum(1 for a in workers.answers if a.started > killed_at) >= 12,
                     "12 requests after the kill", 90)
         workers.stop.set()
         await asyncio.gather(*tasks)
+        watcher.cancel()
         return workers, killed_at
 
     workers, killed_at = asyncio.run(scenario())
     answers = workers.answers
-    after = [a for a in answers if a.started > gone_at[0]]
+    # Until the router has seen the engine fail, a pooled keep-alive connection to it may still
+    # look alive to the router, whatever this test saw of the process.
+    noticed = max(gone_at[0], noticed_at[0]) if noticed_at else gone_at[0]
+    after = [a for a in answers if a.started > noticed]
     in_flight = [a for a in answers if a.started <= killed_at < a.ended]
     print(f"replica failure: {len(answers)} requests, {len(in_flight)} in flight at the kill "
           f"({rs.counts(in_flight)}), after it: {rs.counts(after)}")
     # A request the dead engine had already received is not replayed (it might be what
     # killed it): it may end in a 502. Every other request succeeds: those that found the
     # engine gone (connection refused) were re-sent to the survivor.
-    # Sent while the engine was dying (until its process was seen gone, a pooled connection
-    # may still have looked alive to the router): a 502 is allowed for those.
-    cut = [a for a in answers if a.started <= gone_at[0] and a.replica in (None, victim)]
+    # Sent while the engine was dying (until its process was seen gone and the router had seen
+    # it fail, a pooled connection may still have looked alive to the router): a 502 is allowed
+    # for those.
+    cut = [a for a in answers if a.started <= noticed and a.replica in (None, victim)]
     assert all(a.status == 200 or (a in cut and a.status == 502) for a in answers), \
         [a for a in answers if a.status != 200][:3]
     plain = [a for a in answers if not a.stream and a.status == 200]

@@ -156,17 +156,18 @@ class DecodeGraphs:
                     len(self.graphs), self.sizes[0], self.sizes[-1], self.capture_seconds)
 
     @torch.inference_mode()
-    def step_seconds(self, b: int, replays: int = 10, samples: int = 3) -> float:
+    def step_seconds(self, b: int, replays: int = 10, samples: int = 3, warm_up: bool = True) -> float:
         """GPU seconds of one decode step of bucket ``b`` as a graph replays it, on the dummy
-        inputs: a fresh warm-up (kernels new since the last capture compile here, not under
-        capture) and capture, the median of ``samples`` runs of ``replays`` replays, and the
-        graph dropped. Start-up times kernel choices inside the step with it."""
+        inputs: an eager warm-up if ``warm_up`` (kernels new since the last capture compile
+        then, not under capture), a capture, the median of ``samples`` runs of ``replays``
+        replays, and the graph dropped. Start-up times kernel choices inside the step with it."""
         self._dummy_inputs(b)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            self._forward(b)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
+        if warm_up:
+            with torch.cuda.stream(stream):
+                self._forward(b)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
             self._forward(b)
