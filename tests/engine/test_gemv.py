@@ -455,6 +455,38 @@ def test_refine_in_step_keeps_each_shapes_fastest_candidate_in_the_step() -> Non
     assert report["1024x2048"] == {str(c): 0.96, str(d): 0.93, "None": 0.929}
 
 
+def test_refine_in_step_times_larger_weights_most_ambiguous_first_within_a_budget() -> None:
+    # Every step timing takes 0.1 s of the fake clock. The small shape is timed in full first; of
+    # the large ones the closer call (gap 1%) goes first, and the budget (0.15 s) stops the rest.
+    from torch import nn
+
+    from tidal_engine.kernels.gemv_choice import StepShortlist, refine_in_step
+
+    a, b, c, d = GEMV_CONFIGS[:4]
+    small, near, far = nn.Module(), nn.Module(), nn.Module()
+    keys = {"small": (1024, 1024, torch.bfloat16, False), "far": (4096, 4096, torch.bfloat16, False),
+            "near": (24576, 4096, torch.bfloat16, False)}
+    cache = {keys["small"]: a, keys["far"]: None, keys["near"]: None}
+    small.gemv_config, near.gemv_config, far.gemv_config = a, None, None
+    shortlists = {keys["small"]: StepShortlist([a, b, c], [small]),
+                  keys["far"]: StepShortlist([None, d], [far], small=False, gap=0.04),
+                  keys["near"]: StepShortlist([None, a, b], [near], small=False, gap=0.01)}
+    now = [0.0]
+    timed: list[tuple[object, object, object]] = []
+
+    def step_seconds() -> float:
+        now[0] += 0.1
+        timed.append((small.gemv_config, near.gemv_config, far.gemv_config))
+        return 1.0 - 0.01 * len(timed)  # each timing 1% faster than the last: every candidate wins
+
+    report = refine_in_step(shortlists, cache, step_seconds, large_budget_s=0.15, clock=lambda: now[0])
+    # The baseline, the small shape in full, then near's a (0 s into the budget) and b (0.1 s);
+    # far's d would start 0.2 s in: over the budget.
+    assert timed == [(a, None, None), (b, None, None), (c, None, None), (c, a, None), (c, b, None)]
+    assert cache == {keys["small"]: c, keys["near"]: b, keys["far"]: None}
+    assert set(report) == {"1024x1024", "24576x4096"}
+
+
 def test_choose_gemv_shortlists_the_shapes_timed_now(monkeypatch: pytest.MonkeyPatch) -> None:
     # A small weight (at most IN_STEP_MAX_BYTES) gets every candidate, with every linear of its
     # shape; a large one its large_shortlist; a shape whose choice came from disk nothing.

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +48,9 @@ IN_STEP_MAX_BYTES = 16 << 20
 # within IN_STEP_LARGE_WITHIN of the fastest alone.
 IN_STEP_OTHER_KIND_WITHIN = 0.05
 IN_STEP_LARGE_WITHIN = 0.03
+# Start-up seconds the larger weights' step timings may take, the most ambiguous shape first
+# (unbounded, they added 0.66 s to an 8B cold start: h200-2026-12-01g-lead call 4).
+IN_STEP_LARGE_BUDGET_S = 0.3
 
 
 @dataclass
@@ -55,6 +59,8 @@ class StepShortlist:
     choice first, then the rest by isolated time) and the linears of that shape."""
     candidates: list[Candidate]
     modules: list[nn.Module] = field(default_factory=list)
+    small: bool = True  # at most IN_STEP_MAX_BYTES: every candidate, outside the time budget
+    gap: float = 0.0  # the first alternative's time alone over the choice's, less one: how ambiguous
 
 
 def shortlist(timings: dict[Candidate, float], choice: Candidate) -> list[Candidate]:
@@ -192,9 +198,10 @@ def _note_shortlist(shortlists: dict[Any, StepShortlist] | None, key: Any, timin
                     choice: Candidate, weight_bytes: int) -> None:
     if shortlists is None:
         return
-    candidates = shortlist(timings, choice) if weight_bytes <= IN_STEP_MAX_BYTES else large_shortlist(timings, choice)
+    small = weight_bytes <= IN_STEP_MAX_BYTES
+    candidates = shortlist(timings, choice) if small else large_shortlist(timings, choice)
     if len(candidates) > 1:
-        shortlists[key] = StepShortlist(candidates)
+        shortlists[key] = StepShortlist(candidates, small=small, gap=timings[candidates[1]] / timings[choice] - 1)
 
 
 def _choose_few_rows(weight: torch.Tensor, bias: torch.Tensor | None, cache: dict[Any, Candidate],
@@ -315,21 +322,33 @@ def choose_gemv(model: nn.Module, cache: dict[tuple[int, int, torch.dtype, bool]
 
 
 def refine_in_step(shortlists: dict[Any, StepShortlist], cache: dict[Any, Candidate],
-                   step_seconds: Callable[[], float], min_gain: float = 0.005) -> dict[str, dict[str, float]]:
+                   step_seconds: Callable[[], float], min_gain: float = 0.005,
+                   large_budget_s: float = IN_STEP_LARGE_BUDGET_S,
+                   clock: Callable[[], float] = time.perf_counter) -> dict[str, dict[str, float]]:
     """Choose each shortlisted shape's one-row candidate by the decode step's time: one pass of
     coordinate descent, each shape's candidates timed in turn with the others at their current
     choice (``step_seconds`` times the step as the modules are set now). A candidate replaces
-    the current one only if the step is faster by ``min_gain``, so noise never swaps. Updates
-    ``cache`` and the linears' ``gemv_config``; returns the step times per shape and candidate."""
+    the current one only if the step is faster by ``min_gain``, so noise never swaps. Small
+    weights' shapes come first; the larger ones', most ambiguous first, only while their timings
+    have taken under ``large_budget_s``. Updates ``cache`` and the linears' ``gemv_config``;
+    returns the step times per shape and candidate."""
     report: dict[str, dict[str, float]] = {}
     for entry in shortlists.values():
         _launch_folded(entry)
     current = step_seconds()
-    for key, entry in shortlists.items():
+    ordered = [k for k, e in shortlists.items() if e.small] + sorted(
+        (k for k, e in shortlists.items() if not e.small), key=lambda k: shortlists[k].gap)
+    large_started: float | None = None
+    for key in ordered:
+        entry = shortlists[key]
+        if not entry.small:
+            large_started = clock() if large_started is None else large_started
         times = {str(cache[key]): current}
         for candidate in entry.candidates:
             if candidate == cache[key]:
                 continue
+            if large_started is not None and clock() - large_started >= large_budget_s:
+                break
             previous = cache[key]
             _set_one_row(entry.modules, candidate)
             seconds = step_seconds()
@@ -338,9 +357,10 @@ def refine_in_step(shortlists: dict[Any, StepShortlist], cache: dict[Any, Candid
                 cache[key], current = candidate, seconds
             else:
                 _set_one_row(entry.modules, previous)
-        report[f"{key[0]}x{key[1]}"] = times
-        logger.info("one-row linear %dx%d in the decode step: %s (%s)", key[0], key[1], cache[key] or "general path",
-                    ", ".join(f"{c}={t * 1e6:.1f}us" for c, t in times.items()))
+        if len(times) > 1:
+            report[f"{key[0]}x{key[1]}"] = times
+            logger.info("one-row linear %dx%d in the decode step: %s (%s)", key[0], key[1], cache[key] or "general path",
+                        ", ".join(f"{c}={t * 1e6:.1f}us" for c, t in times.items()))
     return report
 
 
@@ -467,6 +487,6 @@ def choices_file(cache_dir: Path) -> Path:
     return cache_dir / "gemv" / f"{gemv_cache_key(torch.cuda.get_device_name(), versions)}.json"
 
 
-__all__ = ["IN_STEP_LARGE_WITHIN", "IN_STEP_MAX_BYTES", "IN_STEP_OTHER_KIND_WITHIN", "StepShortlist", "choices_file", "choose_gemv", "compile_folded", "gemv_wanted", "large_shortlist",
+__all__ = ["IN_STEP_LARGE_BUDGET_S", "IN_STEP_LARGE_WITHIN", "IN_STEP_MAX_BYTES", "IN_STEP_OTHER_KIND_WITHIN", "StepShortlist", "choices_file", "choose_gemv", "compile_folded", "gemv_wanted", "large_shortlist",
            "is_device_fault", "launch_candidates", "load_choices", "pick_fastest", "refine_in_step", "rotation_copies",
            "save_choices", "shortlist", "time_in_graph"]
