@@ -34,8 +34,11 @@ dummy, no tokenizer, nothing written to disk but config.json):
                      gpu_memory_utilization budget holds; and (attention_sweep, --skip takes it)
                      the paged-attention kernel alone on layer 0's cache: the engine's launch,
                      then the launches of ATTENTION_SETTINGS (KV splits, key tiles, warps, stages,
-                     register caps, 64-bit offsets); and (attention_sweep_short)
-                     the same at issue 13's decode shape, 256 sequences x 320 keys.
+                     register caps, 64-bit offsets, block ids a tile ahead, the keys-major
+                     decode kernel); and (attention_sweep_short) the same at issue 13's decode
+                     shape, 256 sequences x 320 keys. TIDAL_FP8_DECODE (a preset name of
+                     paged_attention's FP8_DECODE_PRESETS) picks the fp8 cache's decode launch of
+                     the engine; it is recorded in long_decode_options.
 Benchmarks (suite quant: weight quantization, issue 15; --load-format dummy, random weights through
 Tidal's quantizer, nothing on disk but config.json): quant_<format> for each of --quantization
 (default none,fp8; awq/gptq: asymmetric g128 through a config.json that names the format): single_stream
@@ -718,6 +721,26 @@ ATTENTION_SETTINGS: dict[str, dict[str, Any]] = {
     "splits1_block_n128_w8": {"num_splits": 1, "block_n": 128, "num_warps": 8},
     "splits1_block_n64_s3": {"num_splits": 1, "block_n": 64, "num_stages": 3},
     "splits1_block_n32_s3": {"num_splits": 1, "block_n": 32, "num_stages": 3},
+    # Block ids a tile ahead (bt_ahead: the K/V gather never waits on a block-table load of its
+    # own iteration; with 3+ stages two tiles are in flight), and the keys-major decode kernel
+    # (keys_major: S^T = K q^T, the widened K/V as the MMA's A operands), h200-2026-12-01g-kvfp8.
+    "bt_ahead_block_n64_r128": {"num_splits": 1, "block_n": 64, "maxnreg": 128, "num_stages": 2, "bt_ahead": True},
+    "bt_ahead_block_n64_s3_r128": {"num_splits": 1, "block_n": 64, "maxnreg": 128, "num_stages": 3,
+                                   "bt_ahead": True},
+    "bt_ahead_block_n32_s4_r128": {"num_splits": 1, "block_n": 32, "maxnreg": 128, "num_stages": 4,
+                                   "bt_ahead": True},
+    "keys_block_n64_r128": {"num_splits": 1, "block_n": 64, "maxnreg": 128, "num_stages": 2, "keys_major": True},
+    "keys_bt_block_n64_r128": {"num_splits": 1, "block_n": 64, "maxnreg": 128, "num_stages": 2, "keys_major": True,
+                               "bt_ahead": True},
+    "keys_bt_block_n64_s3_r128": {"num_splits": 1, "block_n": 64, "maxnreg": 128, "num_stages": 3,
+                                  "keys_major": True, "bt_ahead": True},
+    "keys_bt_block_n64_s4_r128": {"num_splits": 1, "block_n": 64, "maxnreg": 128, "num_stages": 4,
+                                  "keys_major": True, "bt_ahead": True},
+    "keys_bt_block_n64_s3": {"num_splits": 1, "block_n": 64, "num_stages": 3, "keys_major": True, "bt_ahead": True},
+    "keys_bt_block_n128_s2": {"num_splits": 1, "block_n": 128, "num_stages": 2, "keys_major": True,
+                              "bt_ahead": True},
+    "keys_bt_block_n128_s2_w8": {"num_splits": 1, "block_n": 128, "num_stages": 2, "num_warps": 8,
+                                 "keys_major": True, "bt_ahead": True},
 }
 
 
@@ -765,7 +788,8 @@ def suite_long_decode(shape: str, root: Path, results: dict[str, Any], save: Cal
     os.environ["TIDAL_GEMV"] = "0"  # one-row GEMV choice: irrelevant at batch 64, and it takes seconds
     opts = dict(load_format="dummy", skip_tokenizer_init=True, max_model_len=context + 128, max_num_seqs=batch,
                 cuda_graph_sizes=[batch], mixed_cuda_graphs=False, max_num_batched_tokens=2048)
-    results["long_decode_options"] = opts
+    # The fp8 one-query decode launch preset (paged_attention's TIDAL_FP8_DECODE), unset: "rows".
+    results["long_decode_options"] = {**opts, "TIDAL_FP8_DECODE": os.environ.get("TIDAL_FP8_DECODE")}
     for kv in KV_CACHE_DTYPES:
         def run(kv: str = kv) -> dict[str, Any]:
             llm, startup = make_llm(folder, kv_cache_dtype=kv, **opts)

@@ -19,7 +19,8 @@ pytest.importorskip("triton")
 
 from tidal_engine.kernels import reference as ref  # noqa: E402
 from tidal_engine.kernels.triton.kv_write import write_kv  # noqa: E402
-from tidal_engine.kernels.triton.paged_attention import paged_attention  # noqa: E402
+from tidal_engine.kernels.triton import paged_attention as pa  # noqa: E402
+from tidal_engine.kernels.triton.paged_attention import FP8_DECODE_PRESETS, paged_attention  # noqa: E402
 from tidal_engine.kernels.triton.qkv_prologue import qkv_prologue  # noqa: E402
 from tidal_engine.kernels.triton_backend import TritonAttentionBackend  # noqa: E402
 from tidal_engine.layers.attention import TorchAttentionBackend  # noqa: E402
@@ -88,6 +89,62 @@ def test_paged_attention_fp8_offsets_i64(dtype: torch.dtype, q_lens: list[int], 
         block_n=16, num_splits=num_splits, k_scale=K_SCALE, v_scale=V_SCALE, offsets_i32=False,
     )
     assert_close(actual, expected, dtype)
+
+
+@pytest.mark.parametrize(
+    ("device", "dtype"),
+    [pytest.param("cpu", torch.float32, marks=_cpu, id="cpu-fp32"),
+     pytest.param("cpu", torch.bfloat16, marks=_cpu, id="cpu-bf16")],
+)
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("launch", [{"keys_major": True, "bt_ahead": True}, {"bt_ahead": True}],
+                         ids=["keys_major", "bt_ahead"])
+def test_paged_attention_fp8_decode_launches(launch: dict[str, bool], num_splits: int, device: str,
+                                             dtype: torch.dtype) -> None:
+    """The other one-query decode launches over an fp8 cache: the keys-major kernel
+    (paged_decode_keys_major) and the block ids loaded a tile ahead; 3 splits leave the first
+    sequence's second and third parts empty."""
+    b = make_batch([1, 1, 1], [5, 17, 40], 8, 2, 32, 16, dtype, device, seed=7)
+    cache = fp8_cache(tuple(b.kv_cache.shape), 8, device)
+    expected = TorchAttentionBackend().forward(b.query, cache, b.meta, 0.2, K_SCALE, V_SCALE)
+    actual = paged_attention(b.query, cache, b.meta.block_tables, b.meta.seq_lens, b.meta.query_start_loc, 0.2, 1,
+                             block_n=16, num_splits=num_splits, k_scale=K_SCALE, v_scale=V_SCALE, **launch)
+    assert actual.dtype == dtype
+    assert_close(actual, expected, dtype)
+
+
+class _LaunchSpy:
+    """Stands in for a kernel: counts its launches, then launches."""
+
+    def __init__(self, kernel: object) -> None:
+        self.kernel, self.calls = kernel, 0
+
+    def __getitem__(self, grid: tuple[int, ...]) -> object:
+        self.calls += 1
+        return self.kernel[grid]  # type: ignore[index]
+
+
+@_cpu
+@pytest.mark.parametrize("preset", sorted(FP8_DECODE_PRESETS))
+def test_fp8_decode_preset_from_environment(preset: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """TIDAL_FP8_DECODE picks the fp8 one-query decode's kernel at each launch; a bf16 cache
+    and a multi-query launch ignore it; an unknown name is refused."""
+    rows, keys = _LaunchSpy(pa._paged_attention_kernel), _LaunchSpy(pa._decode_keys_major_kernel)
+    monkeypatch.setattr(pa, "_paged_attention_kernel", rows)
+    monkeypatch.setattr(pa, "_decode_keys_major_kernel", keys)
+    monkeypatch.setenv("TIDAL_FP8_DECODE", preset)
+    b = make_batch([1, 1], [9, 30], 8, 2, 16, 16, torch.float32, "cpu", seed=11)
+    cache = fp8_cache(tuple(b.kv_cache.shape), 12, "cpu")
+    args = (b.meta.block_tables, b.meta.seq_lens, b.meta.query_start_loc, 0.3, 1)
+    actual = paged_attention(b.query, cache, *args, block_n=16, num_splits=1, k_scale=K_SCALE, v_scale=V_SCALE)
+    assert_close(actual, TorchAttentionBackend().forward(b.query, cache, b.meta, 0.3, K_SCALE, V_SCALE), torch.float32)
+    keys_major = bool(FP8_DECODE_PRESETS[preset].get("keys_major"))
+    assert (keys.calls, rows.calls) == ((1, 0) if keys_major else (0, 1))
+    paged_attention(b.query, b.kv_cache, *args, block_n=16, num_splits=1)  # a float cache: the rows kernel
+    assert (keys.calls, rows.calls) == ((1, 1) if keys_major else (0, 2))
+    monkeypatch.setenv("TIDAL_FP8_DECODE", "nope")
+    with pytest.raises(ValueError, match="TIDAL_FP8_DECODE"):
+        paged_attention(b.query, cache, *args, block_n=16, num_splits=1)
 
 
 @_cpu
@@ -218,6 +275,26 @@ def test_paged_attention_fp8_realistic_gpu() -> None:
     expected = TorchAttentionBackend().forward(b.query, cache, b.meta, 128**-0.5, 0.8, 1.5)
     actual = TritonAttentionBackend().forward(b.query, cache, b.meta, 128**-0.5, 0.8, 1.5)
     assert_close(actual, expected, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@_needs_cuda
+@pytest.mark.parametrize("preset", sorted(FP8_DECODE_PRESETS))
+@pytest.mark.parametrize("batch", [1, 64])
+def test_fp8_decode_presets_gpu(batch: int, preset: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each TIDAL_FP8_DECODE launch at the 8B shape with the engine's split choice (batch 1
+    splits, 64 does not), contexts of 1..4096 keys and padding rows, against the reference."""
+    monkeypatch.setenv("TIDAL_FP8_DECODE", preset)
+    seq_lens = [4096] if batch == 1 else [1 + (4095 * i) // (batch - 1) for i in range(batch)]
+    b = make_batch([1] * batch, seq_lens, 32, 8, 128, 16, torch.bfloat16, "cuda", seed=23 + batch)
+    cache = fp8_cache(tuple(b.kv_cache.shape), 24, "cuda")
+    expected = TorchAttentionBackend().forward(b.query, cache, b.meta, 128**-0.5, 0.8, 1.5)
+    query = torch.cat([b.query, torch.randn_like(b.query[:3])])
+    out = torch.full_like(query, 7.0)
+    paged_attention(query, cache, b.meta.block_tables, b.meta.seq_lens, b.meta.query_start_loc, 128**-0.5, 1,
+                    out=out, k_scale=0.8, v_scale=1.5)
+    assert_close(out[:batch], expected, torch.bfloat16)
+    assert bool((out[batch:] == 7.0).all()), "padding rows were written"
 
 
 @pytest.mark.gpu

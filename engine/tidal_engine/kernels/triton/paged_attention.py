@@ -54,6 +54,7 @@ per element at a quarter of the ALU rate, which bounded the loop (an H200 read a
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -66,6 +67,7 @@ from tidal_engine.kernels.triton._common import (
     check_same_device,
     next_power_of_2,
 )
+from tidal_engine.kernels.triton.paged_decode_keys_major import _decode_keys_major_kernel
 
 _LOG2E = 1.4426950408889634
 _FP16_MAX = tl.constexpr(65504.0)
@@ -82,6 +84,28 @@ _MIN_KEYS_PER_SPLIT = 64
 # 128-key tiles, 256 x 320 103 against 109; fp8 64 x 8k 434 against 457 for the previous two
 # splits of 128 keys. Uncapped, the same 64-key tiles took 500 / 136 us (bf16), 702 us (fp8).
 _DECODE_MAXNREG = 128
+
+# Launch presets of the fp8 one-query decode, by name (TIDAL_FP8_DECODE, read at each launch:
+# the benchmarks time them in one engine each). "rows": the query group on the tile rows;
+# "rows_bt": the same with the block ids loaded a tile ahead and three stages (two K/V tiles in
+# flight); "keys" / "keys_s2": the keys-major kernel (paged_decode_keys_major), block ids ahead,
+# three / two stages.
+FP8_DECODE_PRESETS: dict[str, dict[str, object]] = {
+    "rows": {},
+    "rows_bt": {"bt_ahead": True, "num_stages": 3},
+    "keys": {"keys_major": True, "bt_ahead": True, "num_stages": 3},
+    "keys_s2": {"keys_major": True, "bt_ahead": True, "num_stages": 2},
+}
+FP8_DECODE_DEFAULT = "rows"
+
+
+def fp8_decode_preset() -> dict[str, object]:
+    """The fp8 one-query decode launch options named by ``TIDAL_FP8_DECODE`` (default
+    ``FP8_DECODE_DEFAULT``); an unknown name is an error, not a silent fallback."""
+    name = os.environ.get("TIDAL_FP8_DECODE", FP8_DECODE_DEFAULT)
+    if name not in FP8_DECODE_PRESETS:
+        raise ValueError(f"TIDAL_FP8_DECODE={name!r}: expected one of {sorted(FP8_DECODE_PRESETS)}")
+    return FP8_DECODE_PRESETS[name]
 
 
 @triton.jit
@@ -174,6 +198,7 @@ def _paged_attention_kernel(
     FP8_DOT_F16: tl.constexpr,  # KV_FP8 with a 16-bit query: both dots run in fp16 (see the docstring)
     DECODE: tl.constexpr,  # every query length is <= BLOCK_Q: program i is sequence i's (only) tile
     OFFS_I32: tl.constexpr,  # every element offset of the cache fits int32: 32-bit address math
+    BT_AHEAD: tl.constexpr,  # load each tile's block ids one iteration ahead
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -252,11 +277,19 @@ def _paged_attention_kernel(
         kv_head_off = kv_head * stride_ch
     else:
         kv_head_off = kv_head.to(tl.int64) * stride_ch
+    if BT_AHEAD:
+        block_next = _block_ids(bt_row, kv_start + offs_n, kv_start + offs_n < kv_stop, BLOCK_SIZE, OFFS_I32)
     for start_n in range(kv_start, kv_stop, BLOCK_N):
         k_pos = start_n + offs_n
         k_valid = k_pos < kv_stop
         # Per-key gather through the block table: any block size works with any BLOCK_N.
-        block_id = _block_ids(bt_row, k_pos, k_valid, BLOCK_SIZE, OFFS_I32)
+        if BT_AHEAD:
+            # The ids were loaded an iteration earlier: the gather never waits on a block-table
+            # load of its own iteration, and the pipeliner can keep two tiles in flight.
+            block_id = block_next
+            block_next = _block_ids(bt_row, k_pos + BLOCK_N, k_pos + BLOCK_N < kv_stop, BLOCK_SIZE, OFFS_I32)
+        else:
+            block_id = _block_ids(bt_row, k_pos, k_valid, BLOCK_SIZE, OFFS_I32)
         slot_off = _slot_offsets(block_id, k_pos, stride_cb, stride_cs, kv_head_off, BLOCK_SIZE, OFFS_I32)
         k_t = tl.load(
             k_cache_ptr + slot_off[None, :] + d[:, None], mask=k_valid[None, :] & d_valid[:, None], other=0.0
@@ -451,6 +484,8 @@ def paged_attention(
     num_stages: int | None = None,
     offsets_i32: bool | None = None,
     maxnreg: int | None = None,
+    bt_ahead: bool | None = None,
+    keys_major: bool | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of ``query [T, H, D]`` over ``kv_cache [2, blocks, block_size, Hkv, D]``.
 
@@ -469,6 +504,10 @@ def paged_attention(
     the launch's (tuning sweeps). ``offsets_i32`` forces the address arithmetic's
     width (None: 32-bit when every element offset of the cache fits, see ``cache_offsets_fit_i32``).
     ``maxnreg`` caps the registers per thread (more programs per SM; tuning sweeps).
+    ``bt_ahead`` loads each key tile's block ids one iteration ahead; ``keys_major`` runs a
+    one-query decode (``max_query_len <= 1``) in ``paged_decode_keys_major``'s kernel (keys as
+    the MMA rows). None for both: False, except for an fp8 one-query decode, which takes them
+    (and its stages) from ``fp8_decode_preset()``.
     """
     if query.dim() != 3:
         raise ValueError(f"query must be [num_tokens, num_heads, head_dim], got shape {tuple(query.shape)}")
@@ -528,6 +567,14 @@ def paged_attention(
         raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
     # Every query fits one tile: one program per sequence (a plain or a multi-query decode).
     decode = max(1, max_query_len) <= block_q
+    if one_query_decode and kv_fp8 and bt_ahead is None and keys_major is None:
+        preset = fp8_decode_preset()
+        bt_ahead, keys_major = bool(preset.get("bt_ahead")), bool(preset.get("keys_major"))
+        num_stages = num_stages or preset.get("num_stages")  # type: ignore[assignment]
+    bt_ahead, keys_major = bool(bt_ahead), bool(keys_major)
+    if keys_major and (max_query_len > 1 or group > 16):
+        raise ValueError(f"keys_major needs a one-query decode and a GQA group <= 16, got max_query_len "
+                         f"{max_query_len}, group {group}")
     if one_query_decode and (num_splits == 1 or kv_fp8):
         # A large decode batch (or any over an fp8 cache): 64-key tiles in two stages, capped at
         # 4 programs per SM (see _DECODE_MAXNREG); an explicit block_n keeps its own registers.
@@ -553,6 +600,34 @@ def paged_attention(
     else:
         partial_out = partial_lse = out  # unused by the unsplit kernel
     grid = (num_seqs if decode else num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
+    launch = dict(
+        num_warps=num_warps or (4 if block_m * max(16, next_power_of_2(head_dim)) <= 64 * 128 else 8),
+        **({"num_stages": num_stages} if num_stages else {}),
+        **({"maxnreg": maxnreg} if maxnreg else {}),
+    )
+    if keys_major:
+        _decode_keys_major_kernel[(num_seqs, num_kv_heads, num_splits)](
+            query, kv_cache[0], kv_cache[1], out, partial_out, partial_lse, block_tables, seq_lens,
+            query_start_loc, scale * (k_scale if kv_fp8 else 1.0) * _LOG2E, v_scale, num_seqs, num_tokens,
+            num_heads, num_splits, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+            kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0),
+            GROUP=group,
+            BLOCK_SIZE=block_size,
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=max(16, next_power_of_2(head_dim)),
+            BLOCK_H=max(16, next_power_of_2(group)),
+            BLOCK_N=block_n,
+            DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+            SPLIT=split,
+            KV_FP8=kv_fp8,
+            DOT_F16=kv_fp8 and query.dtype != torch.float32,
+            OFFS_I32=offsets_i32,
+            BT_AHEAD=bt_ahead,
+            **launch,
+        )
+        if split:
+            combine_splits(partial_out, partial_lse, query_start_loc, out)
+        return out
     _paged_attention_kernel[grid](
         query,
         kv_cache[0],
@@ -591,13 +666,12 @@ def paged_attention(
         FP8_DOT_F16=kv_fp8 and query.dtype != torch.float32,
         DECODE=decode,
         OFFS_I32=offsets_i32,
-        num_warps=num_warps or (4 if block_m * max(16, next_power_of_2(head_dim)) <= 64 * 128 else 8),
-        **({"num_stages": num_stages} if num_stages else {}),
-        **({"maxnreg": maxnreg} if maxnreg else {}),
+        BT_AHEAD=bt_ahead,
+        **launch,
     )
     if split:
         combine_splits(partial_out, partial_lse, query_start_loc, out)
     return out
 
 
-__all__ = ["MAX_SPLITS", "cache_offsets_fit_i32", "choose_num_splits", "choose_tiles", "combine_splits", "paged_attention"]
+__all__ = ["FP8_DECODE_PRESETS", "MAX_SPLITS", "fp8_decode_preset", "cache_offsets_fit_i32", "choose_num_splits", "choose_tiles", "combine_splits", "paged_attention"]
