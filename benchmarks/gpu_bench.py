@@ -37,8 +37,8 @@ dummy, no tokenizer, nothing written to disk but config.json):
                      register caps, 64-bit offsets, block ids a tile ahead, the keys-major
                      decode kernel); and (attention_sweep_short) the same at issue 13's decode
                      shape, 256 sequences x 320 keys. TIDAL_FP8_DECODE (a preset name of
-                     paged_attention's FP8_DECODE_PRESETS) picks the fp8 cache's decode launch of
-                     the engine; it is recorded in long_decode_options.
+                     paged_attention's FP8_DECODE_PRESETS) forces the fp8 cache's decode launch
+                     of the engine; it is recorded in long_decode_options.
 Benchmarks (suite quant: weight quantization, issue 15; --load-format dummy, random weights through
 Tidal's quantizer, nothing on disk but config.json): quant_<format> for each of --quantization
 (default none,fp8; awq/gptq: asymmetric g128 through a config.json that names the format): single_stream
@@ -788,7 +788,8 @@ def suite_long_decode(shape: str, root: Path, results: dict[str, Any], save: Cal
     os.environ["TIDAL_GEMV"] = "0"  # one-row GEMV choice: irrelevant at batch 64, and it takes seconds
     opts = dict(load_format="dummy", skip_tokenizer_init=True, max_model_len=context + 128, max_num_seqs=batch,
                 cuda_graph_sizes=[batch], mixed_cuda_graphs=False, max_num_batched_tokens=2048)
-    # The fp8 one-query decode launch preset (paged_attention's TIDAL_FP8_DECODE), unset: "rows".
+    # The fp8 one-query decode preset forced by paged_attention's TIDAL_FP8_DECODE (None: its
+    # choose_fp8_decode picks; "rows_bt" at this batch).
     results["long_decode_options"] = {**opts, "TIDAL_FP8_DECODE": os.environ.get("TIDAL_FP8_DECODE")}
     for kv in KV_CACHE_DTYPES:
         def run(kv: str = kv) -> dict[str, Any]:

@@ -20,7 +20,11 @@ pytest.importorskip("triton")
 from tidal_engine.kernels import reference as ref  # noqa: E402
 from tidal_engine.kernels.triton.kv_write import write_kv  # noqa: E402
 from tidal_engine.kernels.triton import paged_attention as pa  # noqa: E402
-from tidal_engine.kernels.triton.paged_attention import FP8_DECODE_PRESETS, paged_attention  # noqa: E402
+from tidal_engine.kernels.triton.paged_attention import (  # noqa: E402
+    FP8_DECODE_PRESETS,
+    choose_fp8_decode,
+    paged_attention,
+)
 from tidal_engine.kernels.triton.qkv_prologue import qkv_prologue  # noqa: E402
 from tidal_engine.kernels.triton_backend import TritonAttentionBackend  # noqa: E402
 from tidal_engine.layers.attention import TorchAttentionBackend  # noqa: E402
@@ -122,6 +126,22 @@ class _LaunchSpy:
     def __getitem__(self, grid: tuple[int, ...]) -> object:
         self.calls += 1
         return self.kernel[grid]  # type: ignore[index]
+
+
+def test_choose_fp8_decode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unset: block ids ahead (rows_bt) for an unsplit launch of one wave (4 programs per SM),
+    the plain rows launch for splits or more waves; set, the named preset."""
+    monkeypatch.delenv("TIDAL_FP8_DECODE", raising=False)
+    assert choose_fp8_decode(64, 8, 1, 132) == "rows_bt"  # 512 programs <= 528
+    assert choose_fp8_decode(66, 8, 1, 132) == "rows_bt"
+    assert choose_fp8_decode(67, 8, 1, 132) == "rows"
+    assert choose_fp8_decode(256, 8, 1, 132) == "rows"
+    assert choose_fp8_decode(1, 8, 32, 132) == "rows"
+    monkeypatch.setenv("TIDAL_FP8_DECODE", "keys")
+    assert choose_fp8_decode(256, 8, 1, 132) == "keys"
+    monkeypatch.setenv("TIDAL_FP8_DECODE", "nope")
+    with pytest.raises(ValueError, match="TIDAL_FP8_DECODE"):
+        choose_fp8_decode(64, 8, 1, 132)
 
 
 @_cpu

@@ -48,7 +48,10 @@ into the softmax scale and ``v_scale`` multiplies the output, so the loop only w
 probabilities are rounded to fp16, which carries more mantissa than bf16): on Hopper e4m3
 widens to fp16 in one instruction per pair, exactly, while bf16 takes a second conversion
 per element at a quarter of the ALU rate, which bounded the loop (an H200 read an fp8 cache at
-1.95 TB/s that way, against 4.27 for a bf16 one). An fp32 query widens to fp32.
+1.95 TB/s that way, against 4.27 for a bf16 one). An fp32 query widens to fp32. A one-query decode
+over an fp8 cache may load each key tile's block ids an iteration ahead (``bt_ahead``, with three
+stages: two K/V tiles in flight per program) or run in the keys-major kernel of
+``paged_decode_keys_major``; ``choose_fp8_decode`` picks (see ``FP8_DECODE_PRESETS``).
 """
 
 from __future__ import annotations
@@ -85,27 +88,37 @@ _MIN_KEYS_PER_SPLIT = 64
 # splits of 128 keys. Uncapped, the same 64-key tiles took 500 / 136 us (bf16), 702 us (fp8).
 _DECODE_MAXNREG = 128
 
-# Launch presets of the fp8 one-query decode, by name (TIDAL_FP8_DECODE, read at each launch:
-# the benchmarks time them in one engine each). "rows": the query group on the tile rows;
-# "rows_bt": the same with the block ids loaded a tile ahead and three stages (two K/V tiles in
-# flight); "keys" / "keys_s2": the keys-major kernel (paged_decode_keys_major), block ids ahead,
-# three / two stages.
+# Launch presets of the fp8 one-query decode, by name. "rows": the query group on the tile rows,
+# two stages (one K/V tile in flight, its copy issued after the previous tile's math and behind
+# a block-table load of the same iteration); "rows_bt": the same with each tile's block ids
+# loaded an iteration ahead and three stages, so two tiles are in flight; "keys" / "keys_s2": the
+# keys-major kernel (paged_decode_keys_major), block ids ahead, three / two stages.
+# H200, Qwen3-8B shape, one layer (benchmarks/results/h200-2026-12-01g-kvfp8): 64 x 8k rows
+# 432 us, rows_bt 399, keys 419, keys_s2 431; the captured 64 x 8k step 20.50 / 18.86 / 19.59 /
+# 20.04 ms. At 256 x 320 (four waves of programs, 5 tiles each) rows_bt lost: 122 against 95 us.
 FP8_DECODE_PRESETS: dict[str, dict[str, object]] = {
     "rows": {},
     "rows_bt": {"bt_ahead": True, "num_stages": 3},
     "keys": {"keys_major": True, "bt_ahead": True, "num_stages": 3},
     "keys_s2": {"keys_major": True, "bt_ahead": True, "num_stages": 2},
 }
-FP8_DECODE_DEFAULT = "rows"
+# Programs per SM of the decode launch (_DECODE_MAXNREG): "rows_bt" while one wave holds them all.
+_DECODE_PROGRAMS_PER_SM = 4
 
 
-def fp8_decode_preset() -> dict[str, object]:
-    """The fp8 one-query decode launch options named by ``TIDAL_FP8_DECODE`` (default
-    ``FP8_DECODE_DEFAULT``); an unknown name is an error, not a silent fallback."""
-    name = os.environ.get("TIDAL_FP8_DECODE", FP8_DECODE_DEFAULT)
+def choose_fp8_decode(num_seqs: int, num_kv_heads: int, num_splits: int, num_sms: int) -> str:
+    """The fp8 one-query decode preset from static launch facts: ``TIDAL_FP8_DECODE`` when set
+    (an unknown name is an error, not a silent fallback), else "rows_bt" for an unsplit launch
+    that fits one wave (each program walks a whole context: keeping two tiles in flight pays),
+    "rows" otherwise (splits or several waves: short walks, where the deeper pipeline's
+    prologue costs more than it hides)."""
+    name = os.environ.get("TIDAL_FP8_DECODE")
+    if name is None:
+        one_wave = num_seqs * num_kv_heads <= _DECODE_PROGRAMS_PER_SM * num_sms
+        return "rows_bt" if num_splits == 1 and one_wave else "rows"
     if name not in FP8_DECODE_PRESETS:
         raise ValueError(f"TIDAL_FP8_DECODE={name!r}: expected one of {sorted(FP8_DECODE_PRESETS)}")
-    return FP8_DECODE_PRESETS[name]
+    return name
 
 
 @triton.jit
@@ -507,7 +520,7 @@ def paged_attention(
     ``bt_ahead`` loads each key tile's block ids one iteration ahead; ``keys_major`` runs a
     one-query decode (``max_query_len <= 1``) in ``paged_decode_keys_major``'s kernel (keys as
     the MMA rows). None for both: False, except for an fp8 one-query decode, which takes them
-    (and its stages) from ``fp8_decode_preset()``.
+    (and its stages) from ``choose_fp8_decode``.
     """
     if query.dim() != 3:
         raise ValueError(f"query must be [num_tokens, num_heads, head_dim], got shape {tuple(query.shape)}")
@@ -568,7 +581,7 @@ def paged_attention(
     # Every query fits one tile: one program per sequence (a plain or a multi-query decode).
     decode = max(1, max_query_len) <= block_q
     if one_query_decode and kv_fp8 and bt_ahead is None and keys_major is None:
-        preset = fp8_decode_preset()
+        preset = FP8_DECODE_PRESETS[choose_fp8_decode(num_seqs, num_kv_heads, num_splits, _num_sms(query.device))]
         bt_ahead, keys_major = bool(preset.get("bt_ahead")), bool(preset.get("keys_major"))
         num_stages = num_stages or preset.get("num_stages")  # type: ignore[assignment]
     bt_ahead, keys_major = bool(bt_ahead), bool(keys_major)
@@ -674,4 +687,4 @@ def paged_attention(
     return out
 
 
-__all__ = ["FP8_DECODE_PRESETS", "MAX_SPLITS", "fp8_decode_preset", "cache_offsets_fit_i32", "choose_num_splits", "choose_tiles", "combine_splits", "paged_attention"]
+__all__ = ["FP8_DECODE_PRESETS", "MAX_SPLITS", "cache_offsets_fit_i32", "choose_fp8_decode", "choose_num_splits", "choose_tiles", "combine_splits", "paged_attention"]
