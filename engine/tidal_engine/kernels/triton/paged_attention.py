@@ -95,7 +95,9 @@ _DECODE_MAXNREG = 128
 # keys-major kernel (paged_decode_keys_major), block ids ahead, three / two stages.
 # H200, Qwen3-8B shape, one layer (benchmarks/results/h200-2026-12-01g-kvfp8): 64 x 8k rows
 # 432 us, rows_bt 399, keys 419, keys_s2 431; the captured 64 x 8k step 20.50 / 18.86 / 19.59 /
-# 20.04 ms. At 256 x 320 (four waves of programs, 5 tiles each) rows_bt lost: 122 against 95 us.
+# 20.04 ms. At 256 x 320 (four waves of programs, 5 tiles each) that run cannot rank them (the
+# rows launch itself read 95 and 158 us as two settings; rows_bt 122): there, and for split
+# launches (short walks), the rows launch stays until measured.
 FP8_DECODE_PRESETS: dict[str, dict[str, object]] = {
     "rows": {},
     "rows_bt": {"bt_ahead": True, "num_stages": 3},
@@ -109,9 +111,9 @@ _DECODE_PROGRAMS_PER_SM = 4
 def choose_fp8_decode(num_seqs: int, num_kv_heads: int, num_splits: int, num_sms: int) -> str:
     """The fp8 one-query decode preset from static launch facts: ``TIDAL_FP8_DECODE`` when set
     (an unknown name is an error, not a silent fallback), else "rows_bt" for an unsplit launch
-    that fits one wave (each program walks a whole context: keeping two tiles in flight pays),
-    "rows" otherwise (splits or several waves: short walks, where the deeper pipeline's
-    prologue costs more than it hides)."""
+    that fits one wave (each program walks a whole context: keeping two tiles in flight pays;
+    measured at 64 x 8k), "rows" otherwise (splits, or several waves of programs: not shown to
+    gain)."""
     name = os.environ.get("TIDAL_FP8_DECODE")
     if name is None:
         one_wave = num_seqs * num_kv_heads <= _DECODE_PROGRAMS_PER_SM * num_sms
