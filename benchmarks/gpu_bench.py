@@ -34,9 +34,9 @@ dummy, no tokenizer, nothing written to disk but config.json):
                      gpu_memory_utilization budget holds; and (attention_sweep, --skip takes it)
                      the paged-attention kernel alone on layer 0's cache: the engine's launch,
                      then the launches of ATTENTION_SETTINGS (KV splits, key tiles, warps, stages,
-                     register caps, 64-bit offsets, block ids a tile ahead, the keys-major
-                     decode kernel); and (attention_sweep_short) the same at issue 13's decode
-                     shape, 256 sequences x 320 keys. TIDAL_FP8_DECODE (a preset name of
+                     register caps, 64-bit offsets, block ids a tile ahead); and
+                     (attention_sweep_short) the same at issue 13's decode shape, 256
+                     sequences x 320 keys. TIDAL_FP8_DECODE (a preset name of
                      paged_attention's FP8_DECODE_PRESETS) forces the fp8 cache's decode launch
                      of the engine; it is recorded in long_decode_options.
 Benchmarks (suite quant: weight quantization, issue 15; --load-format dummy, random weights through
@@ -722,25 +722,13 @@ ATTENTION_SETTINGS: dict[str, dict[str, Any]] = {
     "splits1_block_n64_s3": {"num_splits": 1, "block_n": 64, "num_stages": 3},
     "splits1_block_n32_s3": {"num_splits": 1, "block_n": 32, "num_stages": 3},
     # Block ids a tile ahead (bt_ahead: the K/V gather never waits on a block-table load of its
-    # own iteration; with 3+ stages two tiles are in flight), and the keys-major decode kernel
-    # (keys_major: S^T = K q^T, the widened K/V as the MMA's A operands), h200-2026-12-01g-kvfp8.
+    # own iteration; with 3+ stages two tiles are in flight). h200-2026-12-01g-kvfp8 also timed a
+    # keys-major decode kernel (keys_*, S^T = K q^T on wgmma), since removed: it lost to bt_ahead.
     "bt_ahead_block_n64_r128": {"num_splits": 1, "block_n": 64, "maxnreg": 128, "num_stages": 2, "bt_ahead": True},
     "bt_ahead_block_n64_s3_r128": {"num_splits": 1, "block_n": 64, "maxnreg": 128, "num_stages": 3,
                                    "bt_ahead": True},
     "bt_ahead_block_n32_s4_r128": {"num_splits": 1, "block_n": 32, "maxnreg": 128, "num_stages": 4,
                                    "bt_ahead": True},
-    "keys_block_n64_r128": {"num_splits": 1, "block_n": 64, "maxnreg": 128, "num_stages": 2, "keys_major": True},
-    "keys_bt_block_n64_r128": {"num_splits": 1, "block_n": 64, "maxnreg": 128, "num_stages": 2, "keys_major": True,
-                               "bt_ahead": True},
-    "keys_bt_block_n64_s3_r128": {"num_splits": 1, "block_n": 64, "maxnreg": 128, "num_stages": 3,
-                                  "keys_major": True, "bt_ahead": True},
-    "keys_bt_block_n64_s4_r128": {"num_splits": 1, "block_n": 64, "maxnreg": 128, "num_stages": 4,
-                                  "keys_major": True, "bt_ahead": True},
-    "keys_bt_block_n64_s3": {"num_splits": 1, "block_n": 64, "num_stages": 3, "keys_major": True, "bt_ahead": True},
-    "keys_bt_block_n128_s2": {"num_splits": 1, "block_n": 128, "num_stages": 2, "keys_major": True,
-                              "bt_ahead": True},
-    "keys_bt_block_n128_s2_w8": {"num_splits": 1, "block_n": 128, "num_stages": 2, "num_warps": 8,
-                                 "keys_major": True, "bt_ahead": True},
 }
 
 

@@ -19,7 +19,6 @@ pytest.importorskip("triton")
 
 from tidal_engine.kernels import reference as ref  # noqa: E402
 from tidal_engine.kernels.triton.kv_write import write_kv  # noqa: E402
-from tidal_engine.kernels.triton import paged_attention as pa  # noqa: E402
 from tidal_engine.kernels.triton.paged_attention import (  # noqa: E402
     FP8_DECODE_PRESETS,
     choose_fp8_decode,
@@ -101,31 +100,19 @@ def test_paged_attention_fp8_offsets_i64(dtype: torch.dtype, q_lens: list[int], 
      pytest.param("cpu", torch.bfloat16, marks=_cpu, id="cpu-bf16")],
 )
 @pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize("launch", [{"keys_major": True, "bt_ahead": True}, {"bt_ahead": True}],
-                         ids=["keys_major", "bt_ahead"])
-def test_paged_attention_fp8_decode_launches(launch: dict[str, bool], num_splits: int, device: str,
-                                             dtype: torch.dtype) -> None:
-    """The other one-query decode launches over an fp8 cache: the keys-major kernel
-    (paged_decode_keys_major) and the block ids loaded a tile ahead; 3 splits leave the first
-    sequence's second and third parts empty."""
+@pytest.mark.parametrize("bt_ahead", [False, True])
+def test_paged_attention_fp8_decode_block_ids_ahead(bt_ahead: bool, num_splits: int, device: str,
+                                                    dtype: torch.dtype) -> None:
+    """The one-query decode over an fp8 cache with its block ids loaded a tile ahead and without
+    (both explicit, whatever choose_fp8_decode would pick); 3 splits leave the first sequence's
+    second and third parts empty."""
     b = make_batch([1, 1, 1], [5, 17, 40], 8, 2, 32, 16, dtype, device, seed=7)
     cache = fp8_cache(tuple(b.kv_cache.shape), 8, device)
     expected = TorchAttentionBackend().forward(b.query, cache, b.meta, 0.2, K_SCALE, V_SCALE)
     actual = paged_attention(b.query, cache, b.meta.block_tables, b.meta.seq_lens, b.meta.query_start_loc, 0.2, 1,
-                             block_n=16, num_splits=num_splits, k_scale=K_SCALE, v_scale=V_SCALE, **launch)
+                             block_n=16, num_splits=num_splits, k_scale=K_SCALE, v_scale=V_SCALE, bt_ahead=bt_ahead)
     assert actual.dtype == dtype
     assert_close(actual, expected, dtype)
-
-
-class _LaunchSpy:
-    """Stands in for a kernel: counts its launches, then launches."""
-
-    def __init__(self, kernel: object) -> None:
-        self.kernel, self.calls = kernel, 0
-
-    def __getitem__(self, grid: tuple[int, ...]) -> object:
-        self.calls += 1
-        return self.kernel[grid]  # type: ignore[index]
 
 
 def test_choose_fp8_decode(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -137,8 +124,8 @@ def test_choose_fp8_decode(monkeypatch: pytest.MonkeyPatch) -> None:
     assert choose_fp8_decode(67, 8, 1, 132) == "rows"
     assert choose_fp8_decode(256, 8, 1, 132) == "rows"
     assert choose_fp8_decode(1, 8, 32, 132) == "rows"
-    monkeypatch.setenv("TIDAL_FP8_DECODE", "keys")
-    assert choose_fp8_decode(256, 8, 1, 132) == "keys"
+    monkeypatch.setenv("TIDAL_FP8_DECODE", "rows")
+    assert choose_fp8_decode(64, 8, 1, 132) == "rows"
     monkeypatch.setenv("TIDAL_FP8_DECODE", "nope")
     with pytest.raises(ValueError, match="TIDAL_FP8_DECODE"):
         choose_fp8_decode(64, 8, 1, 132)
@@ -147,24 +134,20 @@ def test_choose_fp8_decode(monkeypatch: pytest.MonkeyPatch) -> None:
 @_cpu
 @pytest.mark.parametrize("preset", sorted(FP8_DECODE_PRESETS))
 def test_fp8_decode_preset_from_environment(preset: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """TIDAL_FP8_DECODE picks the fp8 one-query decode's kernel at each launch; a bf16 cache
-    and a multi-query launch ignore it; an unknown name is refused."""
-    rows, keys = _LaunchSpy(pa._paged_attention_kernel), _LaunchSpy(pa._decode_keys_major_kernel)
-    monkeypatch.setattr(pa, "_paged_attention_kernel", rows)
-    monkeypatch.setattr(pa, "_decode_keys_major_kernel", keys)
+    """TIDAL_FP8_DECODE forces the fp8 one-query decode's launch at the default tiles (64 keys
+    over contexts of 9 and 70: one partial tile, then two); an unknown name is refused, where
+    an explicit block_n or a float cache never reads it."""
     monkeypatch.setenv("TIDAL_FP8_DECODE", preset)
-    b = make_batch([1, 1], [9, 30], 8, 2, 16, 16, torch.float32, "cpu", seed=11)
+    b = make_batch([1, 1], [9, 70], 8, 2, 16, 16, torch.float32, "cpu", seed=11)
     cache = fp8_cache(tuple(b.kv_cache.shape), 12, "cpu")
     args = (b.meta.block_tables, b.meta.seq_lens, b.meta.query_start_loc, 0.3, 1)
-    actual = paged_attention(b.query, cache, *args, block_n=16, num_splits=1, k_scale=K_SCALE, v_scale=V_SCALE)
+    actual = paged_attention(b.query, cache, *args, num_splits=1, k_scale=K_SCALE, v_scale=V_SCALE)
     assert_close(actual, TorchAttentionBackend().forward(b.query, cache, b.meta, 0.3, K_SCALE, V_SCALE), torch.float32)
-    keys_major = bool(FP8_DECODE_PRESETS[preset].get("keys_major"))
-    assert (keys.calls, rows.calls) == ((1, 0) if keys_major else (0, 1))
-    paged_attention(b.query, b.kv_cache, *args, block_n=16, num_splits=1)  # a float cache: the rows kernel
-    assert (keys.calls, rows.calls) == ((1, 1) if keys_major else (0, 2))
     monkeypatch.setenv("TIDAL_FP8_DECODE", "nope")
     with pytest.raises(ValueError, match="TIDAL_FP8_DECODE"):
-        paged_attention(b.query, cache, *args, block_n=16, num_splits=1)
+        paged_attention(b.query, cache, *args, num_splits=1)
+    paged_attention(b.query, cache, *args, block_n=16, num_splits=1)
+    paged_attention(b.query, b.kv_cache, *args, num_splits=1)
 
 
 @_cpu

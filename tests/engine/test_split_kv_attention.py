@@ -382,18 +382,12 @@ def test_decode_launches_gpu(block_n: int | None, num_warps: int | None, num_sta
           num_stages=num_stages, maxnreg=maxnreg, offsets_i32=offsets_i32)
 
 
-@pytest.mark.parametrize(("launch", "block_n", "num_stages", "num_splits"),
-                         [({"bt_ahead": True}, None, 3, 1), ({"keys_major": True}, None, 2, 1),
-                          ({"keys_major": True, "bt_ahead": True}, None, 3, 1),
-                          ({"keys_major": True, "bt_ahead": True}, 128, 2, 1),
-                          ({"keys_major": True, "bt_ahead": True}, None, 3, 5)],
-                         ids=["bt_ahead_s3", "keys_major_s2", "keys_major_bt_s3", "keys_major_bt_n128", "keys_major_split5"])
+@pytest.mark.parametrize(("num_stages", "num_splits"), [(3, 1), (3, 5)])
 @gpu_only
-def test_decode_launch_variants_gpu(launch: dict[str, bool], block_n: int | None, num_stages: int, num_splits: int) -> None:
-    # The keys-major kernel and the block ids a tile ahead over a bf16 cache, at the 8B shape,
-    # with padding rows.
+def test_decode_block_ids_ahead_gpu(num_stages: int, num_splits: int) -> None:
+    # The block ids a tile ahead over a bf16 cache, at the 8B shape, with padding rows.
     b = make_batch([1] * 64, _contexts(64), 32, 8, 128, 16, torch.bfloat16, "cuda", seed=9, pad_tokens=3)
-    check(b, 128**-0.5, torch.bfloat16, num_splits=num_splits, block_n=block_n, num_stages=num_stages, **launch)
+    check(b, 128**-0.5, torch.bfloat16, num_splits=num_splits, num_stages=num_stages, bt_ahead=True)
 
 
 @pytest.mark.parametrize("num_splits", [None, 1, 3, 16])
@@ -466,14 +460,12 @@ def test_decode_launch_one_program_per_sequence(num_splits: int) -> None:
 
 @cpu_only
 @pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize("launch", [{"keys_major": True}, {"keys_major": True, "bt_ahead": True}, {"bt_ahead": True}],
-                         ids=["keys_major", "keys_major_bt_ahead", "bt_ahead"])
-def test_decode_launch_variants(launch: dict[str, bool], num_splits: int) -> None:
-    # The keys-major decode kernel and the block ids loaded a tile ahead, over a float cache:
-    # slots with no query, padding rows, NaN outside the contexts, a context ending mid-tile.
+def test_decode_block_ids_ahead(num_splits: int) -> None:
+    # The block ids loaded a tile ahead, over a float cache: slots with no query, padding rows,
+    # NaN outside the contexts, a context ending mid-tile.
     b = make_batch([1, 0, 1, 1, 0], [1, 0, 200, 129, 0], 4, 2, 64, 16, torch.float32, seed=6, pad_tokens=3,
                    poison_unused=True)
-    out = check(b, 64**-0.5, torch.float32, num_splits=num_splits, block_n=32, **launch)
+    out = check(b, 64**-0.5, torch.float32, num_splits=num_splits, block_n=32, bt_ahead=True)
     assert bool(torch.isfinite(out[: b.num_real_tokens]).all())
 
 
@@ -484,16 +476,6 @@ def test_bt_ahead_mixed_batch() -> None:
     b = make_batch([1, 19, 0, 40, 1], [33, 37, 0, 40, 70], 4, 2, 64, 16, torch.float16, seed=8, pad_tokens=3,
                    poison_unused=True)
     check(b, 0.125, torch.float16, num_splits=3, block_n=16, bt_ahead=True)
-
-
-def test_keys_major_needs_one_query_decode() -> None:
-    b = make_batch([2, 1], [10, 5], 4, 2, 16, 16, torch.float32)
-    with pytest.raises(ValueError, match="keys_major"):
-        paged_attention(b.query, b.kv_cache, b.block_tables, b.seq_lens, b.query_start_loc, 0.25, 2, keys_major=True)
-    wide = make_batch([1], [10], 64, 2, 16, 16, torch.float32)  # a GQA group of 32
-    with pytest.raises(ValueError, match="keys_major"):
-        paged_attention(wide.query, wide.kv_cache, wide.block_tables, wide.seq_lens, wide.query_start_loc, 0.25, 1,
-                        keys_major=True)
 
 
 class _GridSpy:

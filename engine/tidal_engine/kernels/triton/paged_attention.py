@@ -50,8 +50,7 @@ widens to fp16 in one instruction per pair, exactly, while bf16 takes a second c
 per element at a quarter of the ALU rate, which bounded the loop (an H200 read an fp8 cache at
 1.95 TB/s that way, against 4.27 for a bf16 one). An fp32 query widens to fp32. A one-query decode
 over an fp8 cache may load each key tile's block ids an iteration ahead (``bt_ahead``, with three
-stages: two K/V tiles in flight per program) or run in the keys-major kernel of
-``paged_decode_keys_major``; ``choose_fp8_decode`` picks (see ``FP8_DECODE_PRESETS``).
+stages: two K/V tiles in flight per program); ``choose_fp8_decode`` picks (``FP8_DECODE_PRESETS``).
 """
 
 from __future__ import annotations
@@ -70,7 +69,6 @@ from tidal_engine.kernels.triton._common import (
     check_same_device,
     next_power_of_2,
 )
-from tidal_engine.kernels.triton.paged_decode_keys_major import _decode_keys_major_kernel
 
 _LOG2E = 1.4426950408889634
 _FP16_MAX = tl.constexpr(65504.0)
@@ -88,21 +86,18 @@ _MIN_KEYS_PER_SPLIT = 64
 # splits of 128 keys. Uncapped, the same 64-key tiles took 500 / 136 us (bf16), 702 us (fp8).
 _DECODE_MAXNREG = 128
 
-# Launch presets of the fp8 one-query decode, by name. "rows": the query group on the tile rows,
-# two stages (one K/V tile in flight, its copy issued after the previous tile's math and behind
-# a block-table load of the same iteration); "rows_bt": the same with each tile's block ids
-# loaded an iteration ahead and three stages, so two tiles are in flight; "keys" / "keys_s2": the
-# keys-major kernel (paged_decode_keys_major), block ids ahead, three / two stages.
-# H200, Qwen3-8B shape, one layer (benchmarks/results/h200-2026-12-01g-kvfp8): 64 x 8k rows
-# 432 us, rows_bt 399, keys 419, keys_s2 431; the captured 64 x 8k step 20.50 / 18.86 / 19.59 /
-# 20.04 ms. At 256 x 320 (four waves of programs, 5 tiles each) that run cannot rank them (the
-# rows launch itself read 95 and 158 us as two settings; rows_bt 122): there, and for split
-# launches (short walks), the rows launch stays until measured.
+# Launch presets of the fp8 one-query decode, by name. "rows": two stages (one K/V tile in flight,
+# its copy issued after the previous tile's math and behind a block-table load of the same
+# iteration); "rows_bt": each tile's block ids loaded an iteration ahead and three stages, so
+# two tiles are in flight. H200, Qwen3-8B shape (benchmarks/results/h200-2026-12-01g-kvfp8): one
+# layer at 64 x 8k 432 against 399 us, the captured 64 x 8k step 20.50 against 18.86 ms. (A
+# keys-major kernel, S^T = K q^T on wgmma, measured there at 419 us / 19.59 ms, was not kept.)
+# At 256 x 320 (four waves of programs, 5 tiles each) that run cannot rank them (the rows launch
+# itself read 95 and 158 us as two settings; rows_bt 122): there, and for split launches (short
+# walks), the rows launch stays until measured.
 FP8_DECODE_PRESETS: dict[str, dict[str, object]] = {
     "rows": {},
     "rows_bt": {"bt_ahead": True, "num_stages": 3},
-    "keys": {"keys_major": True, "bt_ahead": True, "num_stages": 3},
-    "keys_s2": {"keys_major": True, "bt_ahead": True, "num_stages": 2},
 }
 # Programs per SM of the decode launch (_DECODE_MAXNREG): "rows_bt" while one wave holds them all.
 _DECODE_PROGRAMS_PER_SM = 4
@@ -500,7 +495,6 @@ def paged_attention(
     offsets_i32: bool | None = None,
     maxnreg: int | None = None,
     bt_ahead: bool | None = None,
-    keys_major: bool | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of ``query [T, H, D]`` over ``kv_cache [2, blocks, block_size, Hkv, D]``.
 
@@ -519,10 +513,9 @@ def paged_attention(
     the launch's (tuning sweeps). ``offsets_i32`` forces the address arithmetic's
     width (None: 32-bit when every element offset of the cache fits, see ``cache_offsets_fit_i32``).
     ``maxnreg`` caps the registers per thread (more programs per SM; tuning sweeps).
-    ``bt_ahead`` loads each key tile's block ids one iteration ahead; ``keys_major`` runs a
-    one-query decode (``max_query_len <= 1``) in ``paged_decode_keys_major``'s kernel (keys as
-    the MMA rows). None for both: False, except for an fp8 one-query decode, which takes them
-    (and its stages) from ``choose_fp8_decode``.
+    ``bt_ahead`` loads each key tile's block ids one iteration ahead (None: False, except for an
+    fp8 one-query decode at the default tiles, which takes it and its stages from
+    ``choose_fp8_decode``).
     """
     if query.dim() != 3:
         raise ValueError(f"query must be [num_tokens, num_heads, head_dim], got shape {tuple(query.shape)}")
@@ -582,14 +575,12 @@ def paged_attention(
         raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
     # Every query fits one tile: one program per sequence (a plain or a multi-query decode).
     decode = max(1, max_query_len) <= block_q
-    if one_query_decode and kv_fp8 and bt_ahead is None and keys_major is None:
+    if one_query_decode and kv_fp8 and bt_ahead is None and block_n is None:
+        # The default tiles only: an explicit block_n keeps its own stages (as its registers).
         preset = FP8_DECODE_PRESETS[choose_fp8_decode(num_seqs, num_kv_heads, num_splits, _num_sms(query.device))]
-        bt_ahead, keys_major = bool(preset.get("bt_ahead")), bool(preset.get("keys_major"))
+        bt_ahead = bool(preset.get("bt_ahead"))
         num_stages = num_stages or preset.get("num_stages")  # type: ignore[assignment]
-    bt_ahead, keys_major = bool(bt_ahead), bool(keys_major)
-    if keys_major and (max_query_len > 1 or group > 16):
-        raise ValueError(f"keys_major needs a one-query decode and a GQA group <= 16, got max_query_len "
-                         f"{max_query_len}, group {group}")
+    bt_ahead = bool(bt_ahead)
     if one_query_decode and (num_splits == 1 or kv_fp8):
         # A large decode batch (or any over an fp8 cache): 64-key tiles in two stages, capped at
         # 4 programs per SM (see _DECODE_MAXNREG); an explicit block_n keeps its own registers.
@@ -615,34 +606,6 @@ def paged_attention(
     else:
         partial_out = partial_lse = out  # unused by the unsplit kernel
     grid = (num_seqs if decode else num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
-    launch = dict(
-        num_warps=num_warps or (4 if block_m * max(16, next_power_of_2(head_dim)) <= 64 * 128 else 8),
-        **({"num_stages": num_stages} if num_stages else {}),
-        **({"maxnreg": maxnreg} if maxnreg else {}),
-    )
-    if keys_major:
-        _decode_keys_major_kernel[(num_seqs, num_kv_heads, num_splits)](
-            query, kv_cache[0], kv_cache[1], out, partial_out, partial_lse, block_tables, seq_lens,
-            query_start_loc, scale * (k_scale if kv_fp8 else 1.0) * _LOG2E, v_scale, num_seqs, num_tokens,
-            num_heads, num_splits, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-            kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0),
-            GROUP=group,
-            BLOCK_SIZE=block_size,
-            HEAD_DIM=head_dim,
-            HEAD_DIM_PAD=max(16, next_power_of_2(head_dim)),
-            BLOCK_H=max(16, next_power_of_2(group)),
-            BLOCK_N=block_n,
-            DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-            SPLIT=split,
-            KV_FP8=kv_fp8,
-            DOT_F16=kv_fp8 and query.dtype != torch.float32,
-            OFFS_I32=offsets_i32,
-            BT_AHEAD=bt_ahead,
-            **launch,
-        )
-        if split:
-            combine_splits(partial_out, partial_lse, query_start_loc, out)
-        return out
     _paged_attention_kernel[grid](
         query,
         kv_cache[0],
@@ -682,7 +645,9 @@ def paged_attention(
         DECODE=decode,
         OFFS_I32=offsets_i32,
         BT_AHEAD=bt_ahead,
-        **launch,
+        num_warps=num_warps or (4 if block_m * max(16, next_power_of_2(head_dim)) <= 64 * 128 else 8),
+        **({"num_stages": num_stages} if num_stages else {}),
+        **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     if split:
         combine_splits(partial_out, partial_lse, query_start_loc, out)
