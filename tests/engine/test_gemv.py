@@ -409,7 +409,7 @@ def test_few_row_tiles_are_timed_and_set_only_when_asked(monkeypatch: pytest.Mon
 
 
 def test_shortlist_is_the_choice_then_the_rest_fastest_alone_first() -> None:
-    from tidal_engine.kernels.gemv_choice import shortlist
+    from tidal_engine.kernels.gemv_step_choice import shortlist
 
     a, b, c, d = GEMV_CONFIGS[:4]
     timings = {None: 10.0, a: 5.0, b: 5.5, c: 5.7, d: 9.0}
@@ -419,7 +419,7 @@ def test_shortlist_is_the_choice_then_the_rest_fastest_alone_first() -> None:
 
 
 def test_a_large_weights_shortlist_is_the_other_kinds_best_and_a_near_tie() -> None:
-    from tidal_engine.kernels.gemv_choice import large_shortlist
+    from tidal_engine.kernels.gemv_step_choice import large_shortlist
 
     a, b, c = GEMV_CONFIGS[:3]
     assert large_shortlist({None: 5.2, a: 5.0, b: 5.1, c: 5.7}, a) == [a, None, b]  # cuBLAS within 5%, b within 3%
@@ -434,7 +434,7 @@ def test_refine_in_step_keeps_each_shapes_fastest_candidate_in_the_step() -> Non
     # the isolated choices (a, c) finds (b, d); a gain under min_gain keeps the current choice.
     from torch import nn
 
-    from tidal_engine.kernels.gemv_choice import StepShortlist, refine_in_step
+    from tidal_engine.kernels.gemv_step_choice import StepShortlist, refine_in_step
 
     a, b, c, d = GEMV_CONFIGS[:4]
     qkv, o1, o2 = nn.Module(), nn.Module(), nn.Module()
@@ -460,7 +460,7 @@ def test_refine_in_step_times_larger_weights_most_ambiguous_first_within_a_budge
     # the large ones the closer call (gap 1%) goes first, and the budget (0.15 s) stops the rest.
     from torch import nn
 
-    from tidal_engine.kernels.gemv_choice import StepShortlist, refine_in_step
+    from tidal_engine.kernels.gemv_step_choice import StepShortlist, refine_in_step
 
     a, b, c, d = GEMV_CONFIGS[:4]
     small, near, far = nn.Module(), nn.Module(), nn.Module()
@@ -492,12 +492,12 @@ def test_choose_gemv_shortlists_the_shapes_timed_now(monkeypatch: pytest.MonkeyP
     # shape; a large one its large_shortlist; a shape whose choice came from disk nothing.
     from torch import nn
 
-    from tidal_engine.kernels import gemv_choice
+    from tidal_engine.kernels import gemv_choice, gemv_step_choice
     from tidal_engine.kernels.triton import gemv as gemv_module
 
     monkeypatch.setattr(gemv_module, "gemv", lambda x, w, b, config: torch.nn.functional.linear(x, w, b))
     monkeypatch.setattr(gemv_choice, "rotation_copies", lambda weight: [weight])
-    monkeypatch.setattr(gemv_choice, "IN_STEP_MAX_BYTES", 64 * 32 * 2)
+    monkeypatch.setattr(gemv_step_choice, "IN_STEP_MAX_BYTES", 64 * 32 * 2)
 
     def fake_time(fn: object, copies: object) -> float:  # cuBLAS slowest, then the tiles in list order
         tile = (getattr(fn, "__defaults__", None) or (None,))[0]

@@ -21,52 +21,18 @@ from __future__ import annotations
 import logging
 import os
 import statistics
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from tidal_engine.kernels.gemv_step_choice import StepShortlist, note_shortlist
+
 logger = logging.getLogger(__name__)
 
 Candidate = Any  # a GemvConfig, or None for cuBLAS
-
-# The one-row tile that is fastest alone is not always the fastest in the decode step: the
-# kernels around it and what they leave in the L2 change the order (0.6B: up to ~7% of the step
-# between two choices, benchmarks/results/h200-2026-12-01f-lead call 4; 8B: 220.5 against 214.1
-# tok/s, h200-2026-12-01g-lead). So the isolated timings only shortlist, and the runner times the
-# shortlist inside the batch-1 decode step (``refine_in_step``). A weight this small is read in a
-# few microseconds and its order flips from run to run: every candidate is timed in the step.
-IN_STEP_MAX_BYTES = 16 << 20
-# A larger weight's alternatives, only where timing alone could not tell (each costs a capture
-# and a few replays of the 8B cold start's 10 s): the other kind's best (a tile against the
-# library kernel, or the reverse) within IN_STEP_OTHER_KIND_WITHIN of the choice alone (the 3%
-# rule keeps cuBLAS on a near-tie; in the 8B step a tile then won by 2.5% on gate_up), and a tile
-# within IN_STEP_LARGE_WITHIN of the fastest alone.
-IN_STEP_OTHER_KIND_WITHIN = 0.05
-IN_STEP_LARGE_WITHIN = 0.03
-# Start-up seconds the larger weights' step timings may take, the most ambiguous shape first
-# (unbounded, they added 0.66 s to an 8B cold start: h200-2026-12-01g-lead call 4).
-IN_STEP_LARGE_BUDGET_S = 0.3
-
-
-@dataclass
-class StepShortlist:
-    """The one-row candidates of one weight shape to time inside the decode step (the isolated
-    choice first, then the rest by isolated time) and the linears of that shape."""
-    candidates: list[Candidate]
-    modules: list[nn.Module] = field(default_factory=list)
-    small: bool = True  # at most IN_STEP_MAX_BYTES: every candidate, outside the time budget
-    gap: float = 0.0  # the first alternative's time alone over the choice's, less one: how ambiguous
-
-
-def shortlist(timings: dict[Candidate, float], choice: Candidate) -> list[Candidate]:
-    """``choice``, then every other timed candidate, fastest alone first."""
-    return [choice, *(c for c in sorted(timings, key=timings.__getitem__) if c != choice)]
-
 
 def gemv_wanted(dtype: torch.dtype) -> bool:
     enabled = os.environ.get("TIDAL_GEMV", "1").strip().lower() not in ("0", "false", "off", "no")
@@ -173,35 +139,13 @@ def _choose_small_batch(module: nn.Module, cache: dict[Any, Candidate], dtype: t
             logger.info("%d-row %s linear %dx%d: %s (%s)", rows, kind, key[0], key[1], cache[key] or "general path",
                         ", ".join(f"{c or 'general'}={t * 1e6:.1f}us" for c, t in timings.items()))
             if rows == 1:
-                _note_shortlist(shortlists, key, timings, cache[key], sum(t.numel() * t.element_size() for t in weights))
+                note_shortlist(shortlists, key, timings, cache[key], sum(t.numel() * t.element_size() for t in weights))
         setattr(module, attr, cache[key])
         if rows == 1 and shortlists is not None and key in shortlists:
             shortlists[key].modules.append(module)
     del copies
     method.warm_up(module, dtype)
     return module.gemv_config is not None
-
-
-def large_shortlist(timings: dict[Candidate, float], choice: Candidate) -> list[Candidate]:
-    """``choice``, the fastest alone of the other kind (cuBLAS / the general path against the
-    tiles) if within ``IN_STEP_OTHER_KIND_WITHIN`` of the choice, and the fastest other tile
-    within ``IN_STEP_LARGE_WITHIN`` of the fastest alone."""
-    ranked = sorted(timings, key=timings.__getitem__)
-    other_kind = next((c for c in ranked if (c is None) != (choice is None)
-                       and timings[c] <= timings[choice] * (1 + IN_STEP_OTHER_KIND_WITHIN)), choice)
-    near_tie = next((c for c in ranked if c is not None and c not in (choice, other_kind)
-                     and timings[c] <= timings[ranked[0]] * (1 + IN_STEP_LARGE_WITHIN)), choice)
-    return list(dict.fromkeys([choice, other_kind, near_tie]))
-
-
-def _note_shortlist(shortlists: dict[Any, StepShortlist] | None, key: Any, timings: dict[Candidate, float],
-                    choice: Candidate, weight_bytes: int) -> None:
-    if shortlists is None:
-        return
-    small = weight_bytes <= IN_STEP_MAX_BYTES
-    candidates = shortlist(timings, choice) if small else large_shortlist(timings, choice)
-    if len(candidates) > 1:
-        shortlists[key] = StepShortlist(candidates, small=small, gap=timings[candidates[1]] / timings[choice] - 1)
 
 
 def _choose_few_rows(weight: torch.Tensor, bias: torch.Tensor | None, cache: dict[Any, Candidate],
@@ -272,7 +216,8 @@ def choose_gemv(model: nn.Module, cache: dict[tuple[int, int, torch.dtype, bool]
     dtype (the activations of quantized linears; default: the model's first 16-bit parameter).
     ``few_rows``: also time and set the few-row tiles (``gemv_rows_configs``).
     ``shortlists``: filled, for each one-row key timed now that has more than one candidate
-    worth timing in the decode step, with those candidates and its linears (``refine_in_step``).
+    worth timing in the decode step, with those candidates and its linears
+    (kernels/gemv_step_choice.py).
     Returns counts (quantized linears count as "gemv" when their one-row input uses the kernel)."""
     from tidal_engine.kernels.triton.gemv import GEMV_CONFIGS, GEMV_ROWS_MAX, gemv
     from tidal_engine.layers.linear import LinearBase, UnquantizedLinearMethod
@@ -309,7 +254,7 @@ def choose_gemv(model: nn.Module, cache: dict[tuple[int, int, torch.dtype, bool]
                 cache[key] = pick_fastest(timings)
                 logger.info("one-row linear %dx%d: %s (%s)", key[0], key[1], cache[key] or "cuBLAS",
                             ", ".join(f"{c or 'cuBLAS'}={t * 1e6:.1f}us" for c, t in timings.items()))
-                _note_shortlist(shortlists, key, timings, cache[key], weight.numel() * weight.element_size())
+                note_shortlist(shortlists, key, timings, cache[key], weight.numel() * weight.element_size())
             module.gemv_config = cache[key]
             if shortlists is not None and key in shortlists:
                 shortlists[key].modules.append(module)
@@ -319,66 +264,6 @@ def choose_gemv(model: nn.Module, cache: dict[tuple[int, int, torch.dtype, bool]
             compile_folded(module, weight.dtype, GEMV_ROWS_MAX)
             chosen["gemv" if cache[key] is not None else "cublas"] += 1
     return chosen
-
-
-def refine_in_step(shortlists: dict[Any, StepShortlist], cache: dict[Any, Candidate],
-                   step_seconds: Callable[[], float], min_gain: float = 0.005,
-                   large_budget_s: float = IN_STEP_LARGE_BUDGET_S,
-                   clock: Callable[[], float] = time.perf_counter) -> dict[str, dict[str, float]]:
-    """Choose each shortlisted shape's one-row candidate by the decode step's time: one pass of
-    coordinate descent, each shape's candidates timed in turn with the others at their current
-    choice (``step_seconds`` times the step as the modules are set now). A candidate replaces
-    the current one only if the step is faster by ``min_gain``, so noise never swaps. Small
-    weights' shapes come first; the larger ones', most ambiguous first, only while their timings
-    have taken under ``large_budget_s``. Updates ``cache`` and the linears' ``gemv_config``;
-    returns the step times per shape and candidate."""
-    report: dict[str, dict[str, float]] = {}
-    for entry in shortlists.values():
-        _launch_folded(entry)
-    current = step_seconds()
-    ordered = [k for k, e in shortlists.items() if e.small] + sorted(
-        (k for k, e in shortlists.items() if not e.small), key=lambda k: shortlists[k].gap)
-    large_started: float | None = None
-    for key in ordered:
-        entry = shortlists[key]
-        if not entry.small:
-            large_started = clock() if large_started is None else large_started
-        times = {str(cache[key]): current}
-        for candidate in entry.candidates:
-            if candidate == cache[key]:
-                continue
-            if large_started is not None and clock() - large_started >= large_budget_s:
-                break
-            previous = cache[key]
-            _set_one_row(entry.modules, candidate)
-            seconds = step_seconds()
-            times[str(candidate)] = seconds
-            if seconds < current * (1 - min_gain):
-                cache[key], current = candidate, seconds
-            else:
-                _set_one_row(entry.modules, previous)
-        if len(times) > 1:
-            report[f"{key[0]}x{key[1]}"] = times
-            logger.info("one-row linear %dx%d in the decode step: %s (%s)", key[0], key[1], cache[key] or "general path",
-                        ", ".join(f"{c}={t * 1e6:.1f}us" for c, t in times.items()))
-    return report
-
-
-def _launch_folded(entry: StepShortlist) -> None:
-    """Launch each candidate's activation-folded form once (every plain form ran while timed
-    alone), so that no kernel is first launched while a step is captured."""
-    module = entry.modules[0]
-    chosen = module.gemv_config
-    dtype = _run_dtype(module, torch.bfloat16)
-    for candidate in entry.candidates:
-        module.gemv_config = candidate
-        compile_folded(module, dtype, 1)
-    module.gemv_config = chosen
-
-
-def _set_one_row(modules: list[nn.Module], candidate: Candidate) -> None:
-    for module in modules:
-        module.gemv_config = candidate
 
 
 def launch_candidates(model: nn.Module, cache: dict[Any, Candidate], few_rows: bool = True) -> int:
@@ -487,6 +372,5 @@ def choices_file(cache_dir: Path) -> Path:
     return cache_dir / "gemv" / f"{gemv_cache_key(torch.cuda.get_device_name(), versions)}.json"
 
 
-__all__ = ["IN_STEP_LARGE_BUDGET_S", "IN_STEP_LARGE_WITHIN", "IN_STEP_MAX_BYTES", "IN_STEP_OTHER_KIND_WITHIN", "StepShortlist", "choices_file", "choose_gemv", "compile_folded", "gemv_wanted", "large_shortlist",
-           "is_device_fault", "launch_candidates", "load_choices", "pick_fastest", "refine_in_step", "rotation_copies",
-           "save_choices", "shortlist", "time_in_graph"]
+__all__ = ["choices_file", "choose_gemv", "compile_folded", "gemv_wanted", "is_device_fault", "launch_candidates",
+           "load_choices", "pick_fastest", "rotation_copies", "save_choices", "time_in_graph"]

@@ -461,12 +461,12 @@ class ModelRunner:
 
     def _refine_choices_in_step(self, shortlists: dict) -> None:
         """One-row tiles chosen by the batch-1 decode step's time among the isolated timings'
-        shortlist (kernels/gemv_choice.py ``refine_in_step``); only shapes timed now, so a start
+        shortlist (kernels/gemv_step_choice.py); only shapes timed now, so a start
         with the choices on disk does none of it. One process only: ranks timing different
         candidates would stall each other's collectives."""
         if not shortlists or not self._graphs_wanted() or get_parallel().world_size > 1:
             return
-        from tidal_engine.kernels.gemv_choice import refine_in_step
+        from tidal_engine.kernels.gemv_step_choice import refine_in_step
 
         graphs = self._throwaway_decode_graphs([1])
         replays, timed = 3, 0
