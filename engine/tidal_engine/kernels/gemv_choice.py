@@ -28,11 +28,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from tidal_engine.kernels.gemv_step_choice import StepShortlist, note_shortlist
+from tidal_engine.kernels.gemv_step_choice import Candidate, StepShortlist, note_shortlist
 
 logger = logging.getLogger(__name__)
 
-Candidate = Any  # a GemvConfig, or None for cuBLAS
 
 def gemv_wanted(dtype: torch.dtype) -> bool:
     enabled = os.environ.get("TIDAL_GEMV", "1").strip().lower() not in ("0", "false", "off", "no")

@@ -143,4 +143,4 @@ def _set_one_row(modules: list[nn.Module], candidate: Candidate) -> None:
 
 
 __all__ = ["IN_STEP_LARGE_BUDGET_S", "IN_STEP_LARGE_WITHIN", "IN_STEP_MAX_BYTES", "IN_STEP_OTHER_KIND_WITHIN",
-           "StepShortlist", "large_shortlist", "note_shortlist", "refine_in_step", "shortlist"]
+           "Candidate", "StepShortlist", "large_shortlist", "note_shortlist", "refine_in_step", "shortlist"]
