@@ -285,8 +285,6 @@ def test_linear_folds_its_output_activation_into_the_one_row_gemv_only() -> None
 def test_start_up_launches_the_folded_gemvs_of_a_layer_that_takes_an_output_activation() -> None:
     # So that none compiles while a decode graph is captured: every row count whose GEMV folds
     # (for the bf16 GEMVs, one row; FP8: test_quantization_kernels.py).
-    from tidal_engine.kernels.gemv_choice import compile_folded
-
     layer = Linear(32, 48)
     torch.nn.init.normal_(layer.weight)
     layer.gemv_config = GemvConfig(8, 32, 1)
@@ -297,10 +295,10 @@ def test_start_up_launches_the_folded_gemvs_of_a_layer_that_takes_an_output_acti
     one = module.gemv
     module.gemv = lambda x, *a, **k: calls.append((x.shape[0], k.get("silu_and_mul", False))) or one(x, *a, **k)  # type: ignore[assignment]
     try:
-        compile_folded(layer, torch.float32, GEMV_ROWS_MAX)
+        layer.launch_folded(torch.float32, GEMV_ROWS_MAX)
         assert calls == []  # no output activation: nothing to fold
         layer.output_activation_name = SiluAndMul.name
-        compile_folded(layer, torch.float32, GEMV_ROWS_MAX)
+        layer.launch_folded(torch.float32, GEMV_ROWS_MAX)
     finally:
         module.gemv = one  # type: ignore[assignment]
     assert calls == [(1, True)]
@@ -429,15 +427,26 @@ def test_a_large_weights_shortlist_is_the_other_kinds_best_and_a_near_tie() -> N
     assert large_shortlist({None: 4.0, a: 5.0}, None) == [None]
 
 
+class _StepLinear(torch.nn.Module):
+    """A linear as refine_in_step sees one: a one-row choice, and the folded launches it asked for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gemv_config: object = None
+        self.folded: list[object] = []
+
+    def launch_folded(self, dtype: torch.dtype, max_rows: int) -> None:
+        assert max_rows == 1
+        self.folded.append(self.gemv_config)
+
+
 def test_refine_in_step_keeps_each_shapes_fastest_candidate_in_the_step() -> None:
     # Two shapes; the step's time is a table over the pair of choices. Coordinate descent from
     # the isolated choices (a, c) finds (b, d); a gain under min_gain keeps the current choice.
-    from torch import nn
-
     from tidal_engine.kernels.gemv_step_choice import StepShortlist, refine_in_step
 
     a, b, c, d = GEMV_CONFIGS[:4]
-    qkv, o1, o2 = nn.Module(), nn.Module(), nn.Module()
+    qkv, o1, o2 = _StepLinear(), _StepLinear(), _StepLinear()
     key1, key2 = (4096, 1024, torch.bfloat16, False), (1024, 2048, torch.bfloat16, False)
     cache = {key1: a, key2: c}
     qkv.gemv_config, o1.gemv_config, o2.gemv_config = a, c, c
@@ -453,17 +462,17 @@ def test_refine_in_step_keeps_each_shapes_fastest_candidate_in_the_step() -> Non
     assert (qkv.gemv_config, o1.gemv_config, o2.gemv_config) == (b, d, d)
     assert report["4096x1024"] == {str(a): 1.00, str(b): 0.96}
     assert report["1024x2048"] == {str(c): 0.96, str(d): 0.93, "None": 0.929}
+    # Each candidate's folded form was launched once, before any step was timed (one module a shape).
+    assert qkv.folded == [a, b] and o1.folded == [c, d, None] and o2.folded == []
 
 
 def test_refine_in_step_times_larger_weights_most_ambiguous_first_within_a_budget() -> None:
     # Every step timing takes 0.1 s of the fake clock. The small shape is timed in full first; of
     # the large ones the closer call (gap 1%) goes first, and the budget (0.15 s) stops the rest.
-    from torch import nn
-
     from tidal_engine.kernels.gemv_step_choice import StepShortlist, refine_in_step
 
     a, b, c, d = GEMV_CONFIGS[:4]
-    small, near, far = nn.Module(), nn.Module(), nn.Module()
+    small, near, far = _StepLinear(), _StepLinear(), _StepLinear()
     keys = {"small": (1024, 1024, torch.bfloat16, False), "far": (4096, 4096, torch.bfloat16, False),
             "near": (24576, 4096, torch.bfloat16, False)}
     cache = {keys["small"]: a, keys["far"]: None, keys["near"]: None}

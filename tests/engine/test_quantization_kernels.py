@@ -134,11 +134,9 @@ def test_fp8_gate_up_folds_the_activation_only_into_its_small_batch_kernel(
         torch.testing.assert_close(layer(x, output_activation=act), act(layer(x)), rtol=1e-5, atol=1e-5)
     assert calls == [(1, True), (1, False), (GEMV_MAX_ROWS, True), (GEMV_MAX_ROWS, False)]
     # The start-up choice launches the folded kernel once per row count that folds.
-    from tidal_engine.kernels.gemv_choice import compile_folded
-
     calls.clear()
     layer.output_activation_name = act.name
-    compile_folded(layer, torch.float32, GEMV_MAX_ROWS + 2)
+    layer.launch_folded(torch.float32, GEMV_MAX_ROWS + 2)
     assert calls == [(rows, True) for rows in range(1, GEMV_MAX_ROWS + 1)]
 
 

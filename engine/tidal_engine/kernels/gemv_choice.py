@@ -138,7 +138,8 @@ def _choose_small_batch(module: nn.Module, cache: dict[Any, Candidate], dtype: t
             logger.info("%d-row %s linear %dx%d: %s (%s)", rows, kind, key[0], key[1], cache[key] or "general path",
                         ", ".join(f"{c or 'general'}={t * 1e6:.1f}us" for c, t in timings.items()))
             if rows == 1:
-                note_shortlist(shortlists, key, timings, cache[key], sum(t.numel() * t.element_size() for t in weights))
+                note_shortlist(shortlists, key, timings, cache[key], sum(t.numel() * t.element_size() for t in weights),
+                               dtype)
         setattr(module, attr, cache[key])
         if rows == 1 and shortlists is not None and key in shortlists:
             shortlists[key].modules.append(module)
@@ -185,20 +186,6 @@ def _choose_few_rows(weight: torch.Tensor, bias: torch.Tensor | None, cache: dic
     return {m: per_bucket[min(b for b in GEMV_ROW_BUCKETS if b >= m)] for m in range(2, max(GEMV_ROW_BUCKETS) + 1)}
 
 
-def compile_folded(module: nn.Module, dtype: torch.dtype, max_rows: int) -> None:
-    """Launch, once per row count up to ``max_rows``, the kernels that fold the layer's
-    ``output_activation_name`` into its chosen GEMVs (layers/linear.py ``folds``), so none
-    compiles while a decode graph is captured."""
-    name = getattr(module, "output_activation_name", None)
-    if name is None:
-        return
-    device = next(module.parameters()).device
-    for rows in range(1, max_rows + 1):
-        x = torch.zeros(rows, module.in_features, dtype=dtype, device=device)
-        if module.method.folds_activation(module, x, name):
-            module.method.apply_activated(module, x, module.bias, name)
-
-
 def _run_dtype(module: nn.Module, fallback: torch.dtype) -> torch.dtype:
     """The dtype of the module's first 16-bit parameter (the model's run dtype), else ``fallback``."""
     for t in module.parameters():
@@ -228,7 +215,7 @@ def choose_gemv(model: nn.Module, cache: dict[tuple[int, int, torch.dtype, bool]
         for module in model.modules():
             if isinstance(module, LinearBase) and isinstance(module.method, SmallBatchKernel):
                 chosen["gemv" if _choose_small_batch(module, cache, run_dtype, shortlists) else "cublas"] += 1
-                compile_folded(module, run_dtype, GEMV_ROWS_MAX)
+                module.launch_folded(run_dtype, GEMV_ROWS_MAX)
                 continue
             if not isinstance(module, LinearBase) or not isinstance(module.method, UnquantizedLinearMethod) \
                     or module.weight.numel() == 0:
@@ -253,14 +240,15 @@ def choose_gemv(model: nn.Module, cache: dict[tuple[int, int, torch.dtype, bool]
                 cache[key] = pick_fastest(timings)
                 logger.info("one-row linear %dx%d: %s (%s)", key[0], key[1], cache[key] or "cuBLAS",
                             ", ".join(f"{c or 'cuBLAS'}={t * 1e6:.1f}us" for c, t in timings.items()))
-                note_shortlist(shortlists, key, timings, cache[key], weight.numel() * weight.element_size())
+                note_shortlist(shortlists, key, timings, cache[key], weight.numel() * weight.element_size(),
+                               weight.dtype)
             module.gemv_config = cache[key]
             if shortlists is not None and key in shortlists:
                 shortlists[key].modules.append(module)
             if few_rows:
                 module.gemv_rows_configs = _choose_few_rows(weight, bias, cache, copies)
             del copies
-            compile_folded(module, weight.dtype, GEMV_ROWS_MAX)
+            module.launch_folded(weight.dtype, GEMV_ROWS_MAX)
             chosen["gemv" if cache[key] is not None else "cublas"] += 1
     return chosen
 
@@ -371,5 +359,5 @@ def choices_file(cache_dir: Path) -> Path:
     return cache_dir / "gemv" / f"{gemv_cache_key(torch.cuda.get_device_name(), versions)}.json"
 
 
-__all__ = ["choices_file", "choose_gemv", "compile_folded", "gemv_wanted", "is_device_fault", "launch_candidates",
+__all__ = ["choices_file", "choose_gemv", "gemv_wanted", "is_device_fault", "launch_candidates",
            "load_choices", "pick_fastest", "rotation_copies", "save_choices", "time_in_graph"]

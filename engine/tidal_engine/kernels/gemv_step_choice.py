@@ -50,6 +50,7 @@ class StepShortlist:
     modules: list[nn.Module] = field(default_factory=list)
     small: bool = True  # at most IN_STEP_MAX_BYTES: every candidate, outside the time budget
     gap: float = 0.0  # the first alternative's time alone over the choice's, less one: how ambiguous
+    dtype: torch.dtype = torch.bfloat16  # the run dtype of the activations
 
 
 def shortlist(timings: dict[Candidate, float], choice: Candidate) -> list[Candidate]:
@@ -70,14 +71,15 @@ def large_shortlist(timings: dict[Candidate, float], choice: Candidate) -> list[
 
 
 def note_shortlist(shortlists: dict[Any, StepShortlist] | None, key: Any, timings: dict[Candidate, float],
-                    choice: Candidate, weight_bytes: int) -> None:
+                    choice: Candidate, weight_bytes: int, dtype: torch.dtype) -> None:
     """Add ``key``'s shortlist (from its isolated ``timings``) when it has more than one candidate."""
     if shortlists is None:
         return
     small = weight_bytes <= IN_STEP_MAX_BYTES
     candidates = shortlist(timings, choice) if small else large_shortlist(timings, choice)
     if len(candidates) > 1:
-        shortlists[key] = StepShortlist(candidates, small=small, gap=timings[candidates[1]] / timings[choice] - 1)
+        shortlists[key] = StepShortlist(candidates, small=small, gap=timings[candidates[1]] / timings[choice] - 1,
+                                        dtype=dtype)
 
 
 def refine_in_step(shortlists: dict[Any, StepShortlist], cache: dict[Any, Candidate],
@@ -126,14 +128,11 @@ def refine_in_step(shortlists: dict[Any, StepShortlist], cache: dict[Any, Candid
 def _launch_folded(entry: StepShortlist) -> None:
     """Launch each candidate's activation-folded form once (every plain form ran while timed
     alone), so that no kernel is first launched while a step is captured."""
-    from tidal_engine.kernels.gemv_choice import _run_dtype, compile_folded
-
     module = entry.modules[0]
     chosen = module.gemv_config
-    dtype = _run_dtype(module, torch.bfloat16)
     for candidate in entry.candidates:
         module.gemv_config = candidate
-        compile_folded(module, dtype, 1)
+        module.launch_folded(entry.dtype, 1)
     module.gemv_config = chosen
 
 

@@ -269,6 +269,18 @@ class LinearBase(nn.Module):
         the output before the activation)."""
         return not self.delta_hooks and self.method.folds_activation(self, x, activation.name)
 
+    def launch_folded(self, dtype: torch.dtype, max_rows: int) -> None:
+        """Launch, once per row count up to ``max_rows``, the kernels that fold
+        ``output_activation_name`` into the chosen GEMVs, so none compiles while a decode graph
+        is captured (kernels/gemv_choice.py and gemv_step_choice.py call it)."""
+        if self.output_activation_name is None:
+            return
+        device = next(self.parameters()).device
+        for rows in range(1, max_rows + 1):
+            x = torch.zeros(rows, self.in_features, dtype=dtype, device=device)
+            if self.method.folds_activation(self, x, self.output_activation_name):
+                self.method.apply_activated(self, x, self.bias, self.output_activation_name)
+
     def _local(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         y = self.method.apply(self, x, bias)
         for hook in self.delta_hooks:

@@ -86,6 +86,7 @@ class DecodeGraphs:
                                 torch.zeros(max_b, hidden_size, dtype=dtype, device=device))
         self.capture_seconds = 0.0
         self.num_replays = 0
+        self._timing_stream: torch.cuda.Stream | None = None  # step_seconds' captures, made once
 
     @staticmethod
     def _scalars_end(b: int) -> int:
@@ -156,33 +157,37 @@ class DecodeGraphs:
                     len(self.graphs), self.sizes[0], self.sizes[-1], self.capture_seconds)
 
     @torch.inference_mode()
-    def step_seconds(self, b: int, replays: int = 10, samples: int = 3, warm_up: bool = True) -> float:
+    def step_seconds(self, b: int, samples: int = 3, sample_seconds: float = 0.005, max_replays: int = 5) -> float:
         """GPU seconds of one decode step of bucket ``b`` as a graph replays it, on the dummy
-        inputs: an eager warm-up if ``warm_up`` (kernels new since the last capture compile
-        then, not under capture), a capture, the median of ``samples`` runs of ``replays``
-        replays, and the graph dropped. Start-up times kernel choices inside the step with it."""
+        inputs: a capture, a replay, one timed replay that sizes the samples (about ``sample_seconds``
+        each, at most ``max_replays`` replays: 0.6B 5, 8B 1), the median of ``samples`` samples,
+        and the graph dropped. Start-up times kernel choices inside the step with it; run the
+        step eagerly once first (``run_eager``), so no kernel compiles under capture."""
         self._dummy_inputs(b)
-        stream = torch.cuda.Stream(self.device)
+        if self._timing_stream is None:
+            self._timing_stream = torch.cuda.Stream(self.device)
+        stream = self._timing_stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        if warm_up:
-            with torch.cuda.stream(stream):
-                self._forward(b)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
             self._forward(b)
-        graph.replay()
-        runs = []
-        for _ in range(samples):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(replays):
-                graph.replay()
-            end.record()
-            end.synchronize()
-            runs.append(start.elapsed_time(end) / 1e3 / replays)
+        graph.replay()  # the first replay after a capture also uploads the graph
+        first = self._replays_seconds(graph, 1)
+        replays = max(1, min(max_replays, round(sample_seconds / first)))
+        runs = sorted(self._replays_seconds(graph, replays) for _ in range(samples))
         del graph
-        return sorted(runs)[len(runs) // 2]
+        return runs[len(runs) // 2]
+
+    @staticmethod
+    def _replays_seconds(graph: torch.cuda.CUDAGraph, replays: int) -> float:
+        """GPU seconds per replay over ``replays`` back-to-back replays."""
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / replays
 
     def replay(
         self, b: int, staged: torch.Tensor, block_tables: torch.Tensor,

@@ -469,17 +469,10 @@ class ModelRunner:
         from tidal_engine.kernels.gemv_step_choice import refine_in_step
 
         graphs = self._throwaway_decode_graphs([1])
-        replays, timed = 3, 0
-
-        def step_seconds() -> float:
-            # The first timing's warm-up compiles the step's kernels (the start-up's warm-up then
-            # finds them); every candidate ran eagerly since (gemv_choice), so later ones skip it.
-            nonlocal replays, timed
-            seconds = graphs.step_seconds(1, replays=replays, warm_up=timed == 0)
-            replays, timed = max(1, min(5, round(0.005 / seconds))), timed + 1  # ~5 ms a sample: 0.6B 5, 8B 1
-            return seconds
-
-        self.gemv_step_timings = refine_in_step(shortlists, self._gemv_choices, step_seconds)
+        # Compiles the step's kernels outside a capture (the start-up's warm-up then finds them);
+        # every candidate already ran eagerly while timed alone (kernels/gemv_choice.py).
+        graphs.run_eager(1)
+        self.gemv_step_timings = refine_in_step(shortlists, self._gemv_choices, lambda: graphs.step_seconds(1))
 
     def _allocate_kv_caches(self) -> list[torch.Tensor]:
         """One cache per layer. With sleep mode on CUDA they are views into one fixed-address

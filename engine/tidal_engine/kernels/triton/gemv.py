@@ -57,18 +57,25 @@ def check_gated(n: int, block_n: int) -> tuple[int, int]:
 
 
 @triton.jit
-def gated_rows(pid, N, BLOCK_N: tl.constexpr):
-    """Program ``pid``'s weight rows in a gate|up GEMV with ``N`` activations: tile row 2j is
-    gate row i, 2j + 1 up row N + i, for its ``BLOCK_N // 2`` activations i; and which exist."""
+def program_rows(pid, N, BLOCK_N: tl.constexpr, SILU_AND_MUL: tl.constexpr):
+    """Program ``pid``'s weight rows, and which exist. With ``SILU_AND_MUL`` (a gate|up GEMV
+    with ``N`` activations) tile row 2j is gate row i and 2j + 1 up row N + i, for its
+    ``BLOCK_N // 2`` activations i; else ``BLOCK_N`` consecutive rows."""
     r = tl.arange(0, BLOCK_N)
-    outs = pid * (BLOCK_N // 2) + r // 2
-    return outs + (r % 2) * N, outs < N
+    if SILU_AND_MUL:
+        outs = pid * (BLOCK_N // 2) + r // 2
+        rows = outs + (r % 2) * N
+        row_ok = outs < N
+    else:
+        rows = pid * BLOCK_N + r
+        row_ok = rows < N
+    return rows, row_ok
 
 
 @triton.jit
 def store_rows(out_row, y, rows, row_ok, pid, N, BLOCK_N: tl.constexpr, SILU_AND_MUL: tl.constexpr):
     """Store a program's fp32 sums ``y`` (its ``rows``); with ``SILU_AND_MUL`` (rows from
-    ``gated_rows``) its ``silu(gate) * up`` instead: gate and up rounded as the plain store would
+    ``program_rows``) its ``silu(gate) * up`` instead: gate and up rounded as the plain store would
     round them, then the activation kernel's arithmetic."""
     if SILU_AND_MUL:
         gate, up = tl.split(tl.reshape(y.to(out_row.dtype.element_ty).to(tl.float32), (BLOCK_N // 2, 2)))
@@ -127,11 +134,7 @@ def _gemv_kernel(
     HAS_BIAS: tl.constexpr,
     SILU_AND_MUL: tl.constexpr,
 ):
-    if SILU_AND_MUL:  # N activations: weight rows i (gate) and N + i (up)
-        rows, row_ok = gated_rows(tl.program_id(0), N, BLOCK_N)
-    else:
-        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ok = rows < N
+    rows, row_ok = program_rows(tl.program_id(0), N, BLOCK_N, SILU_AND_MUL)
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -256,4 +259,4 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, confi
 
 
 __all__ = ["GEMV_CONFIGS", "GEMV_ROWS_CONFIGS", "GEMV_ROWS_MAX", "GEMV_ROW_BUCKETS", "GemvConfig", "check_gated", "check_grid_rows",
-           "gated_rows", "gemv", "gemv_rows", "store_rows"]
+           "gemv", "gemv_rows", "program_rows", "store_rows"]

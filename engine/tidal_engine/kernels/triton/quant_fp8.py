@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tidal_engine.kernels.triton.gemv import GemvConfig, check_gated, check_grid_rows, gated_rows, store_rows
+from tidal_engine.kernels.triton.gemv import GemvConfig, check_gated, check_grid_rows, program_rows, store_rows
 
 FP8_MAX = tl.constexpr(448.0)
 MIN_SCALE = tl.constexpr(1e-12)  # an all-zero row still gets a finite scale (as quantization/fp8.py)
@@ -75,11 +75,7 @@ def _fp8_gemv_kernel(
     SILU_AND_MUL: tl.constexpr,
 ):
     m = tl.program_id(0)
-    if SILU_AND_MUL:  # N activations: weight rows i (gate) and N + i (up)
-        rows, row_ok = gated_rows(tl.program_id(1), N, BLOCK_N)
-    else:
-        rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ok = rows < N
+    rows, row_ok = program_rows(tl.program_id(1), N, BLOCK_N, SILU_AND_MUL)
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
     x_row = x_ptr + m.to(tl.int64) * stride_xm
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
