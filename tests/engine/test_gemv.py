@@ -18,6 +18,8 @@ from tidal_engine.kernels.triton.gemv import (  # noqa: E402
     gemv,
     gemv_rows,
 )
+from tidal_engine.kernels.triton import activation as act_module  # noqa: E402
+from tidal_engine.kernels.triton import gemv as gemv_module  # noqa: E402
 from tidal_engine.kernels.triton.activation import silu_and_mul  # noqa: E402
 from tidal_engine.layers.activation import SiluAndMul  # noqa: E402
 from tidal_engine.layers.linear import Linear  # noqa: E402
@@ -282,6 +284,40 @@ def test_linear_folds_its_output_activation_into_the_one_row_gemv_only() -> None
 
 
 @_cpu
+def test_one_row_timing_runs_a_gate_up_linear_as_the_decode_step_does() -> None:
+    # The start-up times each candidate of a gate|up weight in the form the step runs: the folded
+    # GEMV where the tile holds pairs, else the matmul and then the activation kernel; so a tile
+    # that cannot fold pays for the extra kernel in its timing too.
+    from tidal_engine.kernels import gemv_choice
+    from tidal_engine.kernels.gemv_choice import one_row_as_in_the_step
+
+    torch.manual_seed(6)
+    layer = Linear(96, 46, bias=True)
+    torch.nn.init.normal_(layer.weight)
+    torch.nn.init.normal_(layer.bias)
+    layer.output_activation_name = SiluAndMul.name
+    x = torch.randn(1, 96)
+    calls: list[tuple[object, bool]] = []
+    one, activate = gemv_module.gemv, act_module.silu_and_mul
+    gemv_module.gemv = lambda x, w, b, c, **k: calls.append((c, k.get("silu_and_mul", False))) or one(x, w, b, c, **k)  # type: ignore[assignment]
+    act_module.silu_and_mul = lambda y: calls.append(("activation", False)) or activate(y)  # type: ignore[assignment]
+    try:
+        for config in (GemvConfig(2, 32, 1), GemvConfig(1, 32, 1), None):
+            calls.clear()
+            timed = gemv_choice.one_row_as_in_the_step(x, layer.weight, layer.bias, config, silu_and_mul=True)
+            layer.gemv_config = config
+            torch.testing.assert_close(timed, layer(x, output_activation=SiluAndMul()), rtol=1e-5, atol=1e-5)
+            folds = config is not None and config.block_n == 2
+            assert calls[:2] == ([(config, True), (config, True)] if folds else
+                                 [(config, False), ("activation", False)] if config is not None else [("activation", False)])
+        calls.clear()
+        plain = one_row_as_in_the_step(x, layer.weight, layer.bias, GemvConfig(2, 32, 1))
+        assert plain.shape == (1, 46) and calls == [(GemvConfig(2, 32, 1), False)]
+    finally:
+        gemv_module.gemv, act_module.silu_and_mul = one, activate  # type: ignore[assignment]
+
+
+@_cpu
 def test_start_up_launches_the_folded_gemvs_of_a_layer_that_takes_an_output_activation() -> None:
     # So that none compiles while a decode graph is captured: every row count whose GEMV folds
     # (for the bf16 GEMVs, one row; FP8: test_quantization_kernels.py).
@@ -466,6 +502,23 @@ def test_refine_in_step_keeps_each_shapes_fastest_candidate_in_the_step() -> Non
     assert qkv.folded == [a, b] and o1.folded == [c, d, None] and o2.folded == []
 
 
+def test_refine_in_step_times_the_baseline_twice() -> None:
+    # The first step timing may read high; the choice alone keeps its place unless a candidate
+    # beats the better of two baseline timings.
+    from tidal_engine.kernels.gemv_step_choice import StepShortlist, refine_in_step
+
+    a, b = GEMV_CONFIGS[:2]
+    linear = _StepLinear()
+    linear.gemv_config = a
+    key = (4096, 1024, torch.bfloat16, False)
+    cache = {key: a}
+    readings = iter([1.13, 1.00, 0.999])  # high first reading, the baseline, b within noise
+
+    report = refine_in_step({key: StepShortlist([a, b], [linear])}, cache, lambda: next(readings))
+    assert cache[key] == a and linear.gemv_config == a
+    assert report["4096x1024"] == {str(a): 1.00, str(b): 0.999}
+
+
 def test_refine_in_step_times_larger_weights_most_ambiguous_first_within_a_budget() -> None:
     # Every step timing takes 0.1 s of the fake clock. The small shape is timed in full first; of
     # the large ones the closer call (gap 1%) goes first, and the budget (0.15 s) stops the rest.
@@ -489,9 +542,9 @@ def test_refine_in_step_times_larger_weights_most_ambiguous_first_within_a_budge
         return 1.0 - 0.01 * len(timed)  # each timing 1% faster than the last: every candidate wins
 
     report = refine_in_step(shortlists, cache, step_seconds, large_budget_s=0.15, clock=lambda: now[0])
-    # The baseline, the small shape in full, then near's a (0 s into the budget) and b (0.1 s);
-    # far's d would start 0.2 s in: over the budget.
-    assert timed == [(a, None, None), (b, None, None), (c, None, None), (c, a, None), (c, b, None)]
+    # The baseline (twice), the small shape in full, then near's a (0 s into the budget) and b
+    # (0.1 s); far's d would start 0.2 s in: over the budget.
+    assert timed == [(a, None, None), (a, None, None), (b, None, None), (c, None, None), (c, a, None), (c, b, None)]
     assert cache == {keys["small"]: c, keys["near"]: b, keys["far"]: None}
     assert set(report) == {"1024x1024", "24576x4096"}
 

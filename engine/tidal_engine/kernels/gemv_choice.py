@@ -194,6 +194,22 @@ def _run_dtype(module: nn.Module, fallback: torch.dtype) -> torch.dtype:
     return fallback
 
 
+def one_row_as_in_the_step(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                           config: Candidate, silu_and_mul: bool = False) -> torch.Tensor:
+    """A one-row linear as the decode step runs it with ``config`` (None: cuBLAS). A gate|up
+    weight (``silu_and_mul``) runs the folded GEMV where the tile holds gate/up pairs, and
+    otherwise the matmul then the activation kernel: timing the plain matmul alone would hide
+    that kernel (in the 8B step a tile that cannot fold lost ~2.5% to one that can,
+    benchmarks/results/h200-2026-12-02-lead)."""
+    from tidal_engine.kernels.triton.activation import silu_and_mul as activate
+    from tidal_engine.kernels.triton.gemv import gemv, tile_folds_silu_and_mul
+
+    if silu_and_mul and tile_folds_silu_and_mul(config, weight.shape[0]):
+        return gemv(x, weight, bias, config, silu_and_mul=True)
+    y = torch.nn.functional.linear(x, weight, bias) if config is None else gemv(x, weight, bias, config)
+    return activate(y) if silu_and_mul else y
+
+
 def choose_gemv(model: nn.Module, cache: dict[tuple[int, int, torch.dtype, bool], Candidate],
                 dtype: torch.dtype | None = None, few_rows: bool = True,
                 shortlists: dict[Any, StepShortlist] | None = None) -> dict[str, int]:
@@ -227,8 +243,9 @@ def choose_gemv(model: nn.Module, cache: dict[tuple[int, int, torch.dtype, bool]
                 x = torch.randn(1, weight.shape[1], dtype=weight.dtype, device=weight.device)
                 reference = torch.nn.functional.linear(x, weight, bias).float()
                 copies = rotation_copies(weight)
+                activated = getattr(module, "output_activation_name", None) == "silu_and_mul"
                 timings: dict[Candidate, float] = {
-                    None: time_in_graph(lambda w: torch.nn.functional.linear(x, w, bias), copies)
+                    None: time_in_graph(lambda w: one_row_as_in_the_step(x, w, bias, None, activated), copies)
                 }
                 for config in GEMV_CONFIGS:
                     got = gemv(x, weight, bias, config).float()
@@ -236,7 +253,8 @@ def choose_gemv(model: nn.Module, cache: dict[tuple[int, int, torch.dtype, bool]
                     if not torch.allclose(got, reference, rtol=2e-2, atol=2e-2 * reference.abs().max().item()):
                         logger.warning("GEMV %s disagrees with cuBLAS on %s; not used", config, key[:2])
                         continue
-                    timings[config] = time_in_graph(lambda w, c=config: gemv(x, w, bias, c), copies)
+                    timings[config] = time_in_graph(
+                        lambda w, c=config: one_row_as_in_the_step(x, w, bias, c, activated), copies)
                 cache[key] = pick_fastest(timings)
                 logger.info("one-row linear %dx%d: %s (%s)", key[0], key[1], cache[key] or "cuBLAS",
                             ", ".join(f"{c or 'cuBLAS'}={t * 1e6:.1f}us" for c, t in timings.items()))
@@ -359,5 +377,5 @@ def choices_file(cache_dir: Path) -> Path:
     return cache_dir / "gemv" / f"{gemv_cache_key(torch.cuda.get_device_name(), versions)}.json"
 
 
-__all__ = ["choices_file", "choose_gemv", "gemv_wanted", "is_device_fault", "launch_candidates",
+__all__ = ["choices_file", "choose_gemv", "one_row_as_in_the_step", "gemv_wanted", "is_device_fault", "launch_candidates",
            "load_choices", "pick_fastest", "rotation_copies", "save_choices", "time_in_graph"]

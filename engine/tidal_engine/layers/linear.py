@@ -155,9 +155,10 @@ class UnquantizedLinearMethod(LinearMethod):
 
     # The one-row GEMV activates gate/up pairs in its epilogue (tiles of at least one pair).
     def folds_activation(self, layer: "LinearBase", x: torch.Tensor, activation: str) -> bool:
-        config = layer.gemv_config
-        return (activation == "silu_and_mul" and x.dim() == 2 and x.shape[0] == 1 and config is not None
-                and config.block_n % 2 == 0 and layer.out_features % 2 == 0)
+        from tidal_engine.kernels.triton.gemv import tile_folds_silu_and_mul
+
+        return (activation == "silu_and_mul" and x.dim() == 2 and x.shape[0] == 1
+                and tile_folds_silu_and_mul(layer.gemv_config, layer.out_features))
 
     def apply_activated(self, layer: "LinearBase", x: torch.Tensor, bias: torch.Tensor | None,
                         activation: str) -> torch.Tensor:

@@ -132,9 +132,10 @@ class Fp8LinearMethod(LinearMethod, SmallBatchKernel):
 
     # The small-batch GEMV activates gate/up pairs in its epilogue; the general path does not.
     def folds_activation(self, layer: LinearBase, x: torch.Tensor, activation: str) -> bool:
+        from tidal_engine.kernels.triton.gemv import tile_folds_silu_and_mul
+
         config = self.small_batch_config(layer, x.numel() // x.shape[-1])
-        return (activation == "silu_and_mul" and config is not None and config.block_n % 2 == 0
-                and layer.out_features % 2 == 0)
+        return activation == "silu_and_mul" and tile_folds_silu_and_mul(config, layer.out_features)
 
     def apply_activated(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None,
                         activation: str) -> torch.Tensor:

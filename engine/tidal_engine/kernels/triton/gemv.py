@@ -56,6 +56,12 @@ def check_gated(n: int, block_n: int) -> tuple[int, int]:
     return n // 2, block_n // 2
 
 
+def tile_folds_silu_and_mul(config: "GemvConfig | None", n: int) -> bool:
+    """Whether a one-row tile can apply SiLU-and-mul in its epilogue to a gate|up weight of
+    ``n`` rows (``check_gated``'s rule: whole gate/up pairs a tile; None, cuBLAS, cannot)."""
+    return config is not None and n % 2 == 0 and config.block_n >= 2 and config.block_n % 2 == 0
+
+
 @triton.jit
 def program_rows(pid, N, BLOCK_N: tl.constexpr, SILU_AND_MUL: tl.constexpr):
     """Program ``pid``'s weight rows, and which exist. With ``SILU_AND_MUL`` (a gate|up GEMV
@@ -259,4 +265,5 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, confi
 
 
 __all__ = ["GEMV_CONFIGS", "GEMV_ROWS_CONFIGS", "GEMV_ROWS_MAX", "GEMV_ROW_BUCKETS", "GemvConfig", "check_gated", "check_grid_rows",
-           "gemv", "gemv_rows", "program_rows", "store_rows"]
+           "gemv", "gemv_rows", "program_rows", "store_rows",
+           "tile_folds_silu_and_mul"]
