@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -418,11 +419,14 @@ def test_few_row_tiles_are_timed_and_set_only_when_asked(monkeypatch: pytest.Mon
     monkeypatch.setattr(gemv_choice, "rotation_copies", lambda weight: [weight])
     timed: list[object] = []
 
-    def fake_time(fn: object, copies: object) -> float:
-        timed.append(fn)
-        return 0.5 ** len(timed)
+    def fake_time(fns: dict, copies: object) -> dict:
+        timings = {}
+        for candidate in fns:
+            timed.append(candidate)
+            timings[candidate] = 0.5 ** len(timed)
+        return timings
 
-    monkeypatch.setattr(gemv_choice, "time_in_graph", fake_time)
+    monkeypatch.setattr(gemv_choice, "time_in_graphs", fake_time)
     torch.manual_seed(3)
     model = nn.Module()
     model.a = Linear(64, 32)
@@ -476,6 +480,17 @@ class _StepLinear(torch.nn.Module):
         self.folded.append(self.gemv_config)
 
 
+def _compare_by(step_time: Callable[[], float]) -> Callable[[list[Callable[[], None]]], list[float]]:
+    """A fake ``compare_steps``: each setup, then the step's time as the linears are set then."""
+    def compare(setups: list[Callable[[], None]]) -> list[float]:
+        times = []
+        for setup in setups:
+            setup()
+            times.append(step_time())
+        return times
+    return compare
+
+
 def test_refine_in_step_keeps_each_shapes_fastest_candidate_in_the_step() -> None:
     # Two shapes; the step's time is a table over the pair of choices. Coordinate descent from
     # the isolated choices (a, c) finds (b, d); a gain under min_gain keeps the current choice.
@@ -489,11 +504,11 @@ def test_refine_in_step_keeps_each_shapes_fastest_candidate_in_the_step() -> Non
     shortlists = {key1: StepShortlist([a, b], [qkv]), key2: StepShortlist([c, d, None], [o1, o2])}
     step = {(a, c): 1.00, (b, c): 0.96, (b, d): 0.93, (b, None): 0.929}
 
-    def step_seconds() -> float:
+    def step_time() -> float:
         assert o1.gemv_config == o2.gemv_config  # every linear of a shape moves together
         return step[(qkv.gemv_config, o1.gemv_config)]
 
-    report = refine_in_step(shortlists, cache, step_seconds, min_gain=0.005)
+    report = refine_in_step(shortlists, cache, _compare_by(step_time), min_gain=0.005)
     assert cache == {key1: b, key2: d}  # None's 0.1% gain over d is noise, not a reason to switch
     assert (qkv.gemv_config, o1.gemv_config, o2.gemv_config) == (b, d, d)
     assert report["4096x1024"] == {str(a): 1.00, str(b): 0.96}
@@ -502,26 +517,38 @@ def test_refine_in_step_keeps_each_shapes_fastest_candidate_in_the_step() -> Non
     assert qkv.folded == [a, b] and o1.folded == [c, d, None] and o2.folded == []
 
 
-def test_refine_in_step_times_the_baseline_twice() -> None:
-    # The first step timing may read high; the choice alone keeps its place unless a candidate
-    # beats the better of two baseline timings.
+def test_refine_in_step_compares_against_the_current_choice_timed_with_the_rest() -> None:
+    # The current choice is one of the compared setups (first), so it is timed in the same
+    # interleaved rounds as the others; a candidate that is only within noise of it never wins,
+    # and whatever the comparison's last setup, the linears end at the choice.
     from tidal_engine.kernels.gemv_step_choice import StepShortlist, refine_in_step
 
-    a, b = GEMV_CONFIGS[:2]
+    a, b, c = GEMV_CONFIGS[:3]
     linear = _StepLinear()
-    linear.gemv_config = a
+    linear.gemv_config = b
     key = (4096, 1024, torch.bfloat16, False)
-    cache = {key: a}
-    readings = iter([1.13, 1.00, 0.999])  # high first reading, the baseline, b within noise
+    cache = {key: b}  # the descent of an earlier shape left b; the shortlist names a first
+    seen: list[list[object]] = []
 
-    report = refine_in_step({key: StepShortlist([a, b], [linear])}, cache, lambda: next(readings))
-    assert cache[key] == a and linear.gemv_config == a
-    assert report["4096x1024"] == {str(a): 1.00, str(b): 0.999}
+    def compare(setups: list[Callable[[], None]]) -> list[float]:
+        configs = []
+        for setup in setups:
+            setup()
+            configs.append(linear.gemv_config)
+        seen.append(configs)
+        return [1.00, 0.999, 0.90][: len(setups)]
+
+    refine_in_step({key: StepShortlist([a, b, c], [linear])}, cache, compare)
+    assert seen == [[b, a, c]] and cache[key] == c and linear.gemv_config == c
+    cache[key] = linear.gemv_config = b
+    refine_in_step({key: StepShortlist([a, b], [linear])}, cache, compare)
+    assert seen[-1] == [b, a] and cache[key] == b and linear.gemv_config == b  # 0.1%: noise
 
 
 def test_refine_in_step_times_larger_weights_most_ambiguous_first_within_a_budget() -> None:
     # Every step timing takes 0.1 s of the fake clock. The small shape is timed in full first; of
-    # the large ones the closer call (gap 1%) goes first, and the budget (0.15 s) stops the rest.
+    # the large ones the closer call (gap 1%) goes first, and a large shape starts only while the
+    # large ones so far took under the budget (0.15 s): near (0.2 s) uses it up, far is not timed.
     from tidal_engine.kernels.gemv_step_choice import StepShortlist, refine_in_step
 
     a, b, c, d = GEMV_CONFIGS[:4]
@@ -536,15 +563,14 @@ def test_refine_in_step_times_larger_weights_most_ambiguous_first_within_a_budge
     now = [0.0]
     timed: list[tuple[object, object, object]] = []
 
-    def step_seconds() -> float:
+    def step_time() -> float:
         now[0] += 0.1
         timed.append((small.gemv_config, near.gemv_config, far.gemv_config))
-        return 1.0 - 0.01 * len(timed)  # each timing 1% faster than the last: every candidate wins
+        return 1.0 - 0.01 * len(timed)  # each timing 1% faster than the last: the last candidate wins
 
-    report = refine_in_step(shortlists, cache, step_seconds, large_budget_s=0.15, clock=lambda: now[0])
-    # The baseline (twice), the small shape in full, then near's a (0 s into the budget) and b
-    # (0.1 s); far's d would start 0.2 s in: over the budget.
-    assert timed == [(a, None, None), (a, None, None), (b, None, None), (c, None, None), (c, a, None), (c, b, None)]
+    report = refine_in_step(shortlists, cache, _compare_by(step_time), large_budget_s=0.15, clock=lambda: now[0])
+    assert timed == [(a, None, None), (b, None, None), (c, None, None),
+                     (c, None, None), (c, a, None), (c, b, None)]
     assert cache == {keys["small"]: c, keys["near"]: b, keys["far"]: None}
     assert set(report) == {"1024x1024", "24576x4096"}
 
@@ -561,11 +587,10 @@ def test_choose_gemv_shortlists_the_shapes_timed_now(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(gemv_choice, "rotation_copies", lambda weight: [weight])
     monkeypatch.setattr(gemv_step_choice, "IN_STEP_MAX_BYTES", 64 * 32 * 2)
 
-    def fake_time(fn: object, copies: object) -> float:  # cuBLAS slowest, then the tiles in list order
-        tile = (getattr(fn, "__defaults__", None) or (None,))[0]
-        return 1.0 if tile is None else 0.5 + 0.01 * GEMV_CONFIGS.index(tile)
+    def fake_time(fns: dict, copies: object) -> dict:  # cuBLAS slowest, then the tiles in list order
+        return {tile: 1.0 if tile is None else 0.5 + 0.01 * GEMV_CONFIGS.index(tile) for tile in fns}
 
-    monkeypatch.setattr(gemv_choice, "time_in_graph", fake_time)
+    monkeypatch.setattr(gemv_choice, "time_in_graphs", fake_time)
     torch.manual_seed(5)
     model = nn.Module()
     model.small1, model.small2 = Linear(64, 32), Linear(64, 32)

@@ -494,13 +494,11 @@ def test_choice_times_quantized_layers_at_one_and_few_rows(monkeypatch: pytest.M
     monkeypatch.setattr(Int4, "run_gemv", broken(original_int4))
     timed: list[GemvConfig | None] = []
 
-    def fake_time(fn, weights, calls: int = 32) -> float:
-        # The general path is timed through ``lambda ws: ...``, a tile through ``lambda ws, c=tile: ...``.
-        candidate = fn.__defaults__[0] if fn.__defaults__ else None
-        timed.append(candidate)
-        return {None: 10.0, good: 5.0, fast_but_wrong: 1.0}[candidate]
+    def fake_time(fns: dict, weights: object) -> dict:
+        timed.extend(fns)
+        return {candidate: {None: 10.0, good: 5.0, fast_but_wrong: 1.0}[candidate] for candidate in fns}
 
-    monkeypatch.setattr(choice, "time_in_graph", fake_time)
+    monkeypatch.setattr(choice, "time_in_graphs", fake_time)
     fp8 = _fp8_layer(24, 64)
     int4, _ = _int4_layer("gptq", 16, 128, 64, False)
     model = torch.nn.ModuleList([fp8, int4])

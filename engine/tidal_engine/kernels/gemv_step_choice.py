@@ -10,6 +10,7 @@ step (``refine_in_step``).
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -83,23 +84,20 @@ def note_shortlist(shortlists: dict[Any, StepShortlist] | None, key: Any, timing
 
 
 def refine_in_step(shortlists: dict[Any, StepShortlist], cache: dict[Any, Candidate],
-                   step_seconds: Callable[[], float], min_gain: float = 0.005,
+                   compare_steps: Callable[[list[Callable[[], None]]], list[float]], min_gain: float = 0.005,
                    large_budget_s: float = IN_STEP_LARGE_BUDGET_S,
                    clock: Callable[[], float] = time.perf_counter) -> dict[str, dict[str, float]]:
     """Choose each shortlisted shape's one-row candidate by the decode step's time: one pass of
-    coordinate descent, each shape's candidates timed in turn with the others at their current
-    choice (``step_seconds`` times the step as the modules are set now). A candidate replaces
-    the current one only if the step is faster by ``min_gain``, so noise never swaps. Small
-    weights' shapes come first; the larger ones', most ambiguous first, only while their timings
-    have taken under ``large_budget_s``. Updates ``cache`` and the linears' ``gemv_config``;
+    coordinate descent, each shape's candidates compared in one ``compare_steps`` call (one
+    setup per candidate, which sets that shape's linears to it; the other shapes stay at their
+    current choice; returns the step's seconds under each). The choice is the first candidate
+    (the current one first) within ``min_gain`` of the fastest, so noise never swaps. Small
+    weights' shapes come first; the larger ones', most ambiguous first, each only if the larger
+    shapes timed so far took under ``large_budget_s``. Updates ``cache`` and the linears' ``gemv_config``;
     returns the step times per shape and candidate."""
     report: dict[str, dict[str, float]] = {}
     for entry in shortlists.values():
         _launch_folded(entry)
-    # The step's time as chosen alone, twice: the first timing after start-up's other work now
-    # and then reads high (8B: 5.26 ms, then 4.64 for a candidate of the same kernels,
-    # benchmarks/results/h200-2026-12-02-lead), and would let any candidate win.
-    current = min(step_seconds(), step_seconds())
     ordered = [k for k, e in shortlists.items() if e.small] + sorted(
         (k for k, e in shortlists.items() if not e.small), key=lambda k: shortlists[k].gap)
     large_started: float | None = None
@@ -107,24 +105,17 @@ def refine_in_step(shortlists: dict[Any, StepShortlist], cache: dict[Any, Candid
         entry = shortlists[key]
         if not entry.small:
             large_started = clock() if large_started is None else large_started
-        times = {str(cache[key]): current}
-        for candidate in entry.candidates:
-            if candidate == cache[key]:
-                continue
-            if large_started is not None and clock() - large_started >= large_budget_s:
+            if clock() - large_started >= large_budget_s:
                 break
-            previous = cache[key]
-            _set_one_row(entry.modules, candidate)
-            seconds = step_seconds()
-            times[str(candidate)] = seconds
-            if seconds < current * (1 - min_gain):
-                cache[key], current = candidate, seconds
-            else:
-                _set_one_row(entry.modules, previous)
-        if len(times) > 1:
-            report[f"{key[0]}x{key[1]}"] = times
-            logger.info("one-row linear %dx%d in the decode step: %s (%s)", key[0], key[1], cache[key] or "general path",
-                        ", ".join(f"{c}={t * 1e6:.1f}us" for c, t in times.items()))
+        candidates = list(dict.fromkeys([cache[key], *entry.candidates]))  # the current choice first
+        seconds = compare_steps([functools.partial(_set_one_row, entry.modules, c) for c in candidates])
+        # The first candidate (the current choice, then by time alone) within min_gain of the fastest.
+        cache[key] = next(c for c, t in zip(candidates, seconds) if t <= min(seconds) * (1 + min_gain))
+        _set_one_row(entry.modules, cache[key])
+        times = {str(c): t for c, t in zip(candidates, seconds)}
+        report[f"{key[0]}x{key[1]}"] = times
+        logger.info("one-row linear %dx%d in the decode step: %s (%s)", key[0], key[1], cache[key] or "general path",
+                    ", ".join(f"{c}={t * 1e6:.1f}us" for c, t in times.items()))
     return report
 
 

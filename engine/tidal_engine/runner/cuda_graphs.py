@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -86,7 +87,7 @@ class DecodeGraphs:
                                 torch.zeros(max_b, hidden_size, dtype=dtype, device=device))
         self.capture_seconds = 0.0
         self.num_replays = 0
-        self._timing_stream: torch.cuda.Stream | None = None  # step_seconds' captures, made once
+        self._timing_stream: torch.cuda.Stream | None = None  # compare_steps' captures, made once
 
     @staticmethod
     def _scalars_end(b: int) -> int:
@@ -157,26 +158,35 @@ class DecodeGraphs:
                     len(self.graphs), self.sizes[0], self.sizes[-1], self.capture_seconds)
 
     @torch.inference_mode()
-    def step_seconds(self, b: int, samples: int = 3, sample_seconds: float = 0.005, max_replays: int = 5) -> float:
-        """GPU seconds of one decode step of bucket ``b`` as a graph replays it, on the dummy
-        inputs: a capture, a replay, one timed replay that sizes the samples (about ``sample_seconds``
-        each, at most ``max_replays`` replays: 0.6B 5, 8B 1), the median of ``samples`` samples,
-        and the graph dropped. Start-up times kernel choices inside the step with it; run the
-        step eagerly once first (``run_eager``), so no kernel compiles under capture."""
+    def compare_steps(self, b: int, setups: list[Callable[[], None]], rounds: int = 5,
+                      sample_seconds: float = 0.003, max_replays: int = 5) -> list[float]:
+        """GPU seconds of one decode step of bucket ``b`` on the dummy inputs under each of
+        ``setups`` (each sets the model up, e.g. a linear's kernel, before its own capture): a
+        graph per setup, then ``rounds`` rounds that time each graph in turn over about
+        ``sample_seconds`` of replays (at most ``max_replays``: 0.6B 3, 8B 1), and each setup's
+        fastest round. Interleaved, a stretch of slow GPU work slows every setup's sample of
+        that round, not one setup's timing. Start-up times kernel choices inside the step with
+        it; run the step eagerly once first (``run_eager``), so no kernel compiles under capture."""
         self._dummy_inputs(b)
         if self._timing_stream is None:
             self._timing_stream = torch.cuda.Stream(self.device)
         stream = self._timing_stream
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            self._forward(b)
-        graph.replay()  # the first replay after a capture also uploads the graph
-        first = self._replays_seconds(graph, 1)
-        replays = max(1, min(max_replays, round(sample_seconds / first)))
-        runs = sorted(self._replays_seconds(graph, replays) for _ in range(samples))
-        del graph
-        return runs[len(runs) // 2]
+        graphs = []
+        for setup in setups:
+            setup()
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                self._forward(b)
+            graph.replay()  # the first replay after a capture also uploads the graph
+            graphs.append(graph)
+        replays = max(1, min(max_replays, round(sample_seconds / self._replays_seconds(graphs[0], 1))))
+        best = [float("inf")] * len(graphs)
+        for _ in range(rounds):
+            for i, graph in enumerate(graphs):
+                best[i] = min(best[i], self._replays_seconds(graph, replays))
+        del graphs
+        return best
 
     @staticmethod
     def _replays_seconds(graph: torch.cuda.CUDAGraph, replays: int) -> float:

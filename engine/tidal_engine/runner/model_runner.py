@@ -472,7 +472,8 @@ class ModelRunner:
         # Compiles the step's kernels outside a capture (the start-up's warm-up then finds them);
         # every candidate already ran eagerly while timed alone (kernels/gemv_choice.py).
         graphs.run_eager(1)
-        self.gemv_step_timings = refine_in_step(shortlists, self._gemv_choices, lambda: graphs.step_seconds(1))
+        self.gemv_step_timings = refine_in_step(shortlists, self._gemv_choices,
+                                                lambda setups: graphs.compare_steps(1, setups))
 
     def _allocate_kv_caches(self) -> list[torch.Tensor]:
         """One cache per layer. With sleep mode on CUDA they are views into one fixed-address
