@@ -1,5 +1,5 @@
 #!/bin/bash
-# Lead's third device call (2026-12-02, eighth session), issue 13: as call 2 (lead_run2.sh), on 9d0e8b2+: the one-row
+# Lead's third device call (2026-12-02, eighth session), issue 13: as call 2 (lead_run2.sh), on 9716a08: the one-row
 # candidates timed interleaved (fastest of 5 rounds), alone and in the step; a gate|up weight as the step runs it. GPU tests of
 # test_gemv; the 8B single stream three times and the 0.6B once, fresh choices each (the one-row log lines kept);
 # the 8B cold/warm start as call 1.
