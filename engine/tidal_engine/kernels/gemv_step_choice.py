@@ -38,8 +38,9 @@ IN_STEP_MAX_BYTES = 16 << 20
 # within IN_STEP_LARGE_WITHIN of the fastest alone.
 IN_STEP_OTHER_KIND_WITHIN = 0.05
 IN_STEP_LARGE_WITHIN = 0.03
-# Start-up seconds the larger weights' step timings may take, the most ambiguous shape first
-# (unbounded, they added 0.66 s to an 8B cold start: h200-2026-12-01g-lead call 4).
+# Start-up seconds the larger weights' step timings may take, the most ambiguous shape first: a
+# larger shape is compared only while those before it took less (unbounded, they added 0.66 s to
+# an 8B cold start: h200-2026-12-01g-lead call 4).
 IN_STEP_LARGE_BUDGET_S = 0.3
 
 
