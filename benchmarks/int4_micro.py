@@ -2,11 +2,14 @@
 
 For each weight shape: bf16 cuBLAS (``F.linear`` on the dequantized weights) at 1, 4, 16 and
 128 rows; the INT4 GEMM at those rows (its default tiles, and a few alternatives at 16 and 128
-rows); every INT4 GEMV candidate (kernels/triton/quant_int4.py: by groups, by words, on tensor
-cores; split-K ones named ``...,splitS)``) at 1 and 4 rows. Each time is
+rows); every INT4 GEMV candidate (kernels/triton/quant_int4.py: by groups, by groups in packed
+halves, by words, on tensor cores; split-K ones named ``...,splitS)``, prefetching ones
+``...,stages2)``) at 1 and 4 rows, and a few more packed-halves tiles at 1 row. Each time is
 32 calls captured in one CUDA graph, the weights rotated through enough copies to exceed the
 L2 cache (kernels/gemv_choice.py's ``time_in_graph``, as the start-up choice times them).
 Bandwidth counts the INT4 words plus the scales and zeros (bf16: the 16-bit weights).
+``err_r{rows}_{kernel}``: a GEMV's largest error against the fp32 product of the dequantized
+weights, relative to the largest output.
 
     PYTHONPATH=engine TRITON_INTERPRET=0 python benchmarks/int4_micro.py --out FILE
 """
@@ -22,7 +25,13 @@ from typing import Any
 import torch
 
 from tidal_engine.kernels.gemv_choice import rotation_copies, rotation_sets, time_in_graph
-from tidal_engine.kernels.triton.quant_int4 import INT4_GEMV_CONFIGS, gemm_tiles, int4_gemm, int4_gemv
+from tidal_engine.kernels.triton.quant_int4 import (
+    INT4_GEMV_CONFIGS,
+    PackedGemvConfig,
+    gemm_tiles,
+    int4_gemm,
+    int4_gemv,
+)
 from tidal_engine.quantization.int4 import dequantize, pack_rows
 from tidal_engine.quantization.quantizer import quantize_int4
 
@@ -32,6 +41,17 @@ ROWS = (1, 4, 16, 128)
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) tried besides gemm_tiles' own.
 GEMM_ALTERNATIVES = {16: [(16, 16, 128, 4, 4), (16, 64, 128, 4, 4)],
                      128: [(64, 128, 128, 4, 3), (128, 64, 128, 8, 3)]}
+# Packed-halves GEMV tiles timed at one row besides the start-up candidates.
+PACKED_ALTERNATIVES = [PackedGemvConfig(8, 2048, 2), PackedGemvConfig(8, 1024, 2), PackedGemvConfig(16, 1024, 2),
+                       PackedGemvConfig(32, 2048, 8), PackedGemvConfig(64, 1024, 8), PackedGemvConfig(16, 2048, 4, 2),
+                       PackedGemvConfig(32, 1024, 4, 2), PackedGemvConfig(16, 4096, 8)]
+
+
+def config_name(config: Any) -> str:
+    split, stages = getattr(config, "split_k", 1), getattr(config, "num_stages", 1)
+    return (f"{type(config).__name__}({config.block_n},{config.block_k},{config.num_warps}"
+            + (f",split{split}" if split != 1 else "")
+            + (f",stages{stages}" if stages != 1 and isinstance(config, PackedGemvConfig) else "") + ")")
 
 
 def _safe_time(fn: Any, copies: list[Any]) -> float:
@@ -67,12 +87,13 @@ def bench_shape(n: int, k: int) -> dict[str, Any]:
             row[f"int4_gemm_r{rows}_{name}_us"] = _safe_time(
                 lambda ws, t=tiles: int4_gemm(x, *ws, GROUP, None, tiles=t), int4_copies)
         if rows <= 4:
-            for config in INT4_GEMV_CONFIGS:
-                split = getattr(config, "split_k", 1)
-                name = (f"{type(config).__name__}({config.block_n},{config.block_k},{config.num_warps}"
-                        + (f",split{split}" if split != 1 else "") + ")")
+            for config in INT4_GEMV_CONFIGS + (tuple(PACKED_ALTERNATIVES) if rows == 1 else ()):
+                name = config_name(config)
                 try:
-                    torch.testing.assert_close(int4_gemv(x, *weights, GROUP, None, config).float(), expected, **tol)
+                    got = int4_gemv(x, *weights, GROUP, None, config).float()
+                    torch.testing.assert_close(got, expected, **tol)
+                    # Largest error against the fp32 product of the dequantized weights, over its largest output.
+                    row[f"err_r{rows}_{name}"] = ((got - expected).abs().max() / expected.abs().max()).item()
                 except ValueError:  # the tile does not fit this shape
                     continue
                 except AssertionError as exc:  # a wrong kernel: recorded, not timed (the choice skips it too)

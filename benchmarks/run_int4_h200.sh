@@ -5,16 +5,18 @@
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONPATH=engine:operator${PYTHONPATH:+:$PYTHONPATH} TRITON_INTERPRET=0 PYTHONUNBUFFERED=1 TIDAL_BENCH_LOG=INFO
-export TIDAL_BENCH_DATE=${TIDAL_BENCH_DATE:-2026-12-01}
+export TIDAL_BENCH_DATE=${TIDAL_BENCH_DATE:-2026-12-02}
 PY=${PY:-python3}
 echo "=== tests $(date +%T)"
-timeout ${T_TESTS:-95} $PY -m pytest -q -p no:cacheprovider -o addopts= -m gpu tests/engine/test_quantization_kernels.py \
+# The INT4 gpu tests: the packed-halves GEMV's file and the INT4 ones of the kernels file.
+timeout ${T_TESTS:-120} $PY -m pytest -q -p no:cacheprovider -o addopts= -m gpu tests/engine/test_quant_int4_packed.py \
+  tests/engine/test_quantization_kernels.py -k "int4 or packed or choice_sets or split_k" \
   > "$OUT/gpu-tests.txt" 2>&1; echo "rc $?" >> "$OUT/gpu-tests.txt"; tail -4 "$OUT/gpu-tests.txt"
 echo "=== micro $(date +%T)"
-timeout ${T_MICRO:-75} $PY benchmarks/int4_micro.py --out "$OUT/int4-micro.json" 2>&1 | tail -20
+timeout ${T_MICRO:-110} $PY benchmarks/int4_micro.py --out "$OUT/int4-micro.json" 2>&1 | tail -24
 for quant in gptq awq; do
   echo "=== $quant $(date +%T)"
-  limit=${T_BENCH:-90}; [ $quant = awq ] && limit=${T_BENCH_AWQ:-60}  # awq reuses gptq's stored choices
+  limit=${T_BENCH:-100}; [ $quant = awq ] && limit=${T_BENCH_AWQ:-60}  # awq reuses gptq's stored choices
   timeout $limit $PY benchmarks/gpu_bench.py --shape qwen3-8b --suite quant --quantization $quant \
     --out "$OUT/quant-qwen3-8b-$quant.json" > "$OUT/bench-log-$quant.txt" 2>&1; echo "rc $?"
   grep -E "single_stream|output_tok_s_median|Traceback|Error" "$OUT/bench-log-$quant.txt" | cut -c1-300 | tail -5

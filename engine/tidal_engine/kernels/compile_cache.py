@@ -85,12 +85,17 @@ def shape_key(n: int, k: int, dtype: Any, bias: bool) -> str:
     return f"{n}x{k}:{str(dtype).removeprefix('torch.')}:{'bias' if bias else 'nobias'}"
 
 
-def encode_choice(choice: Any) -> dict[str, int] | None:
+def encode_choice(choice: Any) -> dict[str, Any] | None:
     """A GemvConfig as JSON (None: cuBLAS); a pipelined one (FP8's) adds its ``num_stages``, a
-    split-K one (INT4's tensor-core GEMV) its ``split_k``."""
+    split-K one (INT4's tensor-core GEMV) its ``split_k``, one that names its kernel (INT4's
+    packed-halves GEMV, whose tiles are the by-groups kernel's) that ``kernel``."""
     if choice is None:
         return None
-    data = {"block_n": int(choice.block_n), "block_k": int(choice.block_k), "num_warps": int(choice.num_warps)}
+    data: dict[str, Any] = {"block_n": int(choice.block_n), "block_k": int(choice.block_k),
+                            "num_warps": int(choice.num_warps)}
+    kernel = getattr(choice, "kernel", None)
+    if kernel is not None:
+        data["kernel"] = str(kernel)
     stages = int(getattr(choice, "num_stages", 1))
     if stages != 1:
         data["num_stages"] = stages
@@ -100,7 +105,7 @@ def encode_choice(choice: Any) -> dict[str, int] | None:
     return data
 
 
-def decode_choice(data: dict[str, int] | None, candidates: tuple[Any, ...]) -> tuple[bool, Any]:
+def decode_choice(data: dict[str, Any] | None, candidates: tuple[Any, ...]) -> tuple[bool, Any]:
     """(known, choice): a stored choice is used only if it is still one of the candidates."""
     if data is None:
         return True, None

@@ -13,6 +13,9 @@
   - on tensor cores (``TcGemvConfig``): ``W @ x^T`` with the weights as the dot's first operand
     and the few rows padded to 16, a group step's nibbles turned into the integers ``q - z``
     (one multiply-add each) and its sums scaled once.
+  - by groups in packed halves (``PackedGemvConfig``, CUDA only: inline PTX): the by-groups
+    tile, each word's 8 products taken two at a time in fp16x2 (about 2 instructions a weight
+    against 4.3), see ``_int4_packed_gemv_kernel`` for the arithmetic and its accuracy.
   The tensor-core kernel may split K over ``split_k`` programs, which add fp32 partial sums
   into a workspace the last of them reads, zeroes and writes out (no memset between calls, so
   it works inside CUDA graphs).
@@ -28,6 +31,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import triton
@@ -44,6 +48,17 @@ class GroupGemvConfig(GemvConfig):
     """A tile of the by-groups GEMV: ``block_n`` rows × ``block_k`` inputs (whole groups) a step.
     Its ``block_k`` values (1024 and up) are not those of the by-words candidates (up to 512), so a
     choice stored as (block_n, block_k, num_warps) names one kernel."""
+
+
+@dataclass(frozen=True)
+class PackedGemvConfig(GemvConfig):
+    """A tile of the packed-halves by-groups GEMV: ``block_n`` rows × ``block_k`` inputs (whole
+    groups) a step, as ``GroupGemvConfig``; ``num_stages`` 2 loads the next step while this one
+    computes (registers), 1 does not. ``kernel`` is stored with a choice
+    (compile_cache.encode_choice), so the two kernels' tiles never read as each other."""
+
+    num_stages: int = 1
+    kernel: ClassVar[str] = "f16x2"
 
 
 @dataclass(frozen=True)
@@ -66,6 +81,13 @@ INT4_GEMV_CONFIGS: tuple[GemvConfig, ...] = (
     GroupGemvConfig(16, 2048, 4),
     GroupGemvConfig(16, 2048, 8),
     GroupGemvConfig(32, 2048, 8),
+    # By groups in packed halves (CUDA only), some loading the next step ahead (num_stages 2).
+    PackedGemvConfig(16, 2048, 4),
+    PackedGemvConfig(16, 1024, 4),
+    PackedGemvConfig(16, 2048, 8),
+    PackedGemvConfig(32, 1024, 4),
+    PackedGemvConfig(16, 1024, 4, 2),
+    PackedGemvConfig(16, 2048, 8, 2),
     # By words: any group size.
     GemvConfig(4, 512, 4),
     GemvConfig(8, 512, 4),
@@ -219,6 +241,173 @@ def _int4_group_gemv_kernel(
     tl.store(out_ptr + m.to(tl.int64) * stride_om + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
+# ---- by groups in packed halves (fp16x2), CUDA only ----------------------------------------
+# fp16 bits used below: 0x6400 is 1024, where the mantissa's step is 1, so ``0x6400 | q`` reads
+# as 1024 + q and ``0x6400 | q << 4`` as 1024 + 16 q; 0x2C00 is 1/16; 0xD400 is -64, where the
+# step is 1/16, so 0xD400 + 16 z is -(64 + z).
+# A group's activations are scaled by 2^(X_TOP - E), E the exponent of their largest |x|, so that
+# they stay below 2^(X_TOP + 1) (the overflow bound in _int4_packed_gemv_kernel's comment).
+X_TOP = tl.constexpr(7)
+EXPONENT_FLOOR = tl.constexpr(27)  # biased: E >= -100, so 2^(X_TOP - E) and 2^(E - X_TOP) are normal fp32
+
+
+@triton.jit
+def _pack_f16x2(lo, hi):
+    """Two fp32 tensors → int32 tensor of fp16 pairs (``lo`` in the low half), each rounded to nearest."""
+    return tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [lo, hi], dtype=tl.int32,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def _packed_step_loads(q_tile, s_tile, z_tile, x_tile, g0, g, row_ok, n_groups, GW: tl.constexpr,
+                       GROUP: tl.constexpr, EVEN: tl.constexpr):
+    """A step's words, scales and zeros (fp32) of groups ``g0 + g``, and their activations (fp32)."""
+    if EVEN:  # no masks: N and the groups are multiples of the tile
+        words = tl.load(q_tile + g0 * GW)
+        s = tl.load(s_tile + g0).to(tl.float32)
+        z = tl.load(z_tile + g0).to(tl.float32)
+        x = tl.load(x_tile + g0 * GROUP).to(tl.float32)
+    else:
+        g_ok = (g0 + g) < n_groups
+        ok = row_ok[:, None] & g_ok[None, :]
+        words = tl.load(q_tile + g0 * GW, mask=ok[:, :, None], other=0)
+        s = tl.load(s_tile + g0, mask=ok, other=0.0).to(tl.float32)
+        z = tl.load(z_tile + g0, mask=ok, other=0.0).to(tl.float32)
+        x = tl.load(x_tile + g0 * GROUP, mask=g_ok[:, None, None], other=0.0).to(tl.float32)
+    return words, s, z, x
+
+
+@triton.jit
+def _word_dot_f16x2(words, x04, x15, x26, x37, z_low, z_high):
+    """Per int32 word of 8 nibbles (input i in nibble i), in fp32: ``sum_i (q_i - z) x'_i``.
+
+    ``x04`` ... ``x37``: the word's activations as fp16 pairs (x'_0 low, x'_4 high) ...;
+    ``z_low``: fp16 pairs 1024 + z; ``z_high``: fp16 pairs -(64 + z). Per word: a shift, four
+    mask-ors giving the pairs (1024 + q_0, 1024 + q_4), (1024 + 16 q_1, 1024 + 16 q_5) and the same
+    for nibbles 2, 6 and 3, 7 after the shift; ``q - z`` exactly, by a subtraction of 1024 + z or
+    a multiply-add by 1/16 minus 64 + z; four products summed in each fp16 lane (one multiply,
+    three multiply-adds); the two lanes added in fp16 and widened to fp32."""
+    return tl.inline_asm_elementwise(
+        """
+        {
+        .reg .b32 w8, p0, p1, p2, p3, acc, sixteenth;
+        .reg .f16 lo, hi, sum;
+        mov.b32 sixteenth, 0x2C002C00;
+        shr.u32 w8, $1, 8;
+        lop3.b32 p0, $1, 0x000F000F, 0x64006400, 0xEA;
+        lop3.b32 p1, $1, 0x00F000F0, 0x64006400, 0xEA;
+        lop3.b32 p2, w8, 0x000F000F, 0x64006400, 0xEA;
+        lop3.b32 p3, w8, 0x00F000F0, 0x64006400, 0xEA;
+        sub.rn.f16x2 p0, p0, $6;
+        fma.rn.f16x2 p1, p1, sixteenth, $7;
+        sub.rn.f16x2 p2, p2, $6;
+        fma.rn.f16x2 p3, p3, sixteenth, $7;
+        mul.rn.f16x2 acc, p0, $2;
+        fma.rn.f16x2 acc, p1, $3, acc;
+        fma.rn.f16x2 acc, p2, $4, acc;
+        fma.rn.f16x2 acc, p3, $5, acc;
+        mov.b32 {lo, hi}, acc;
+        add.rn.f16 sum, lo, hi;
+        cvt.f32.f16 $0, sum;
+        }
+        """,
+        "=r,r,r,r,r,r,r,r", [words, x04, x15, x26, x37, z_low, z_high], dtype=tl.float32, is_pure=True, pack=1)
+
+
+# The by-groups GEMV with the word math in fp16 pairs. The tile and loads are the by-groups
+# kernel's; per step, each group's activations (fp32) are scaled by 2^(X_TOP - E), E the
+# exponent of the group's largest |x| (a power of two: exact), rounded to fp16 and paired as a
+# word needs them; each word gives sum_i (q_i - z) x'_i (_word_dot_f16x2), and its group's
+# sum is multiplied by scale * 2^(E - X_TOP) in fp32.
+#
+# Overflow: |x'| < 2^(X_TOP + 1) = 256 and |q - z| <= 16 (GPTQ v1 can store a zero of 16), so a
+# lane's four products stay below 4 * 16 * 256 = 16384 and the word's sum below 32768 < 65504.
+# Accuracy: q - z is exact; x' equals x * 2^(X_TOP - E) exactly unless it falls below fp16's
+# normal range, |x| < 2^(E - 21), where it is off by at most 2^-25 * 2^(E - X_TOP) < max|x| 2^-32
+# (absolute); each product is exact before its one rounding, and a word's sum takes five fp16
+# roundings (one product, three multiply-adds, the lane sum), each within 2^-11 of a partial sum
+# of that word's at most 8 terms, so at most about 5 * 2^-11 = 2^-8.7 of the word's sum of
+# |(q - z) x| (typically far less: the errors are independent); everything after is fp32. The
+# torch reference rounds each weight (q - z) * s to 16 bits (bf16: within 2^-9 of every term), so
+# the two are of one order; the CPU tests check an emulation of exactly this arithmetic against
+# that bound with activations up to 3e4, and the GPU tests check the kernel against the emulation.
+@triton.jit
+def _int4_packed_gemv_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    z_ptr,
+    b_ptr,
+    out_ptr,
+    N,
+    K,
+    stride_xm,
+    stride_qn,
+    stride_sn,
+    stride_om,
+    GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GROUPS: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    EVEN: tl.constexpr,
+):
+    GW: tl.constexpr = GROUP // 8  # words of a group
+    m = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    g = tl.arange(0, GROUPS)
+    t = tl.arange(0, GW)
+    rows64 = rows.to(tl.int64)
+    q_tile = q_ptr + rows64[:, None, None] * stride_qn + (g[None, :, None] * GW + t[None, None, :])
+    s_tile = s_ptr + rows64[:, None] * stride_sn + g[None, :]
+    z_tile = z_ptr + rows64[:, None] * stride_sn + g[None, :]
+    # A step's activations [groups, words, 8], each word's 8 inputs contiguous (16-byte loads).
+    x_tile = (x_ptr + m.to(tl.int64) * stride_xm + g[:, None, None] * GROUP + t[None, :, None] * 8
+              + tl.arange(0, 8)[None, None, :])
+    n_groups = K // GROUP
+    # Word sums are added four at a time in registers (the 4 words a 16-byte load holds).
+    acc = tl.zeros([BLOCK_N, GROUPS, GW // 4], tl.float32)
+    if PREFETCH:
+        words, s, z, x = _packed_step_loads(q_tile, s_tile, z_tile, x_tile, 0, g, row_ok, n_groups, GW, GROUP, EVEN)
+    for g0 in range(0, n_groups, GROUPS):
+        if PREFETCH:  # the next step's loads in flight while this one computes (the last wraps to the first)
+            g_next = g0 + GROUPS
+            g_next = tl.where(g_next < n_groups, g_next, 0)
+            next_loads = _packed_step_loads(q_tile, s_tile, z_tile, x_tile, g_next, g, row_ok, n_groups, GW, GROUP,
+                                            EVEN)
+        else:
+            words, s, z, x = _packed_step_loads(q_tile, s_tile, z_tile, x_tile, g0, g, row_ok, n_groups, GW, GROUP,
+                                                EVEN)
+        # The biased exponent of each group's largest |x| (0 for an all-zero group, floored).
+        biased = (tl.max(tl.max(tl.abs(x), axis=2), axis=1).to(tl.int32, bitcast=True) >> 23) & 0xFF
+        biased = tl.maximum(biased, EXPONENT_FLOOR)
+        down = ((254 + X_TOP - biased) << 23).to(tl.float32, bitcast=True)  # 2^(X_TOP - E)
+        up = ((biased - X_TOP) << 23).to(tl.float32, bitcast=True)  # 2^(E - X_TOP)
+        # Input 8j + 4a + 2b + c of the step at [.., j, a, b, c]: split off c, b, then a.
+        x_pairs = tl.reshape(x * down[:, None, None], [GROUPS, GW, 2, 2, 2])
+        even, odd = tl.split(x_pairs)
+        x0_4, x2_6 = tl.split(even)
+        x1_5, x3_7 = tl.split(odd)
+        x0, x4 = tl.split(x0_4)
+        x2, x6 = tl.split(x2_6)
+        x1, x5 = tl.split(x1_5)
+        x3, x7 = tl.split(x3_7)
+        zi = z.to(tl.int32)  # 0..16, exact
+        z_low = ((0x6400 + zi) * 0x10001)[:, :, None]  # 1024 + z, twice
+        z_high = ((0xD400 + zi * 16) * 0x10001)[:, :, None]  # -(64 + z), twice
+        dots = _word_dot_f16x2(words, _pack_f16x2(x0, x4)[None, :, :], _pack_f16x2(x1, x5)[None, :, :],
+                               _pack_f16x2(x2, x6)[None, :, :], _pack_f16x2(x3, x7)[None, :, :], z_low, z_high)
+        dots = tl.sum(tl.reshape(dots, [BLOCK_N, GROUPS, GW // 4, 4]), axis=3)
+        acc += dots * (s * up[None, :])[:, :, None]
+        if PREFETCH:
+            words, s, z, x = next_loads
+    y = tl.sum(tl.sum(acc, axis=2), axis=1)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + m.to(tl.int64) * stride_om + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
+
+
 def _check(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> None:
     if x.dim() != 2:
         raise ValueError(f"int4 kernels take x of shape [M, K]; got {tuple(x.shape)}")
@@ -241,8 +430,8 @@ def _is_power_of_two(value: int) -> bool:
 def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
               bias: torch.Tensor | None, config: GemvConfig) -> torch.Tensor:
     """``x [M, K] @ dequant(qweight)^T (+ bias)`` → ``[M, N]`` in x's dtype, for small M; a
-    ``GroupGemvConfig`` runs the by-groups kernel, a ``TcGemvConfig`` the tensor-core one, a
-    plain ``GemvConfig`` the by-words one."""
+    ``GroupGemvConfig`` runs the by-groups kernel, a ``PackedGemvConfig`` its packed-halves twin
+    (CUDA only), a ``TcGemvConfig`` the tensor-core one, a plain ``GemvConfig`` the by-words one."""
     _check(x, qweight, scales, zeros, group_size)
     n, words = qweight.shape
     if config.block_k % PACK:
@@ -250,10 +439,15 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     if isinstance(config, TcGemvConfig):
         return _int4_tc_gemv(x if x.stride(1) == 1 else x.contiguous(), qweight, scales, zeros, group_size, bias,
                              config)
-    by_groups = isinstance(config, GroupGemvConfig)
+    packed = isinstance(config, PackedGemvConfig)
+    by_groups = packed or isinstance(config, GroupGemvConfig)
     if by_groups and (config.block_k % group_size or not _is_power_of_two(group_size)
                       or not _is_power_of_two(config.block_k // group_size)):
         raise ValueError(f"block_k {config.block_k} is not a power-of-two number of groups of {group_size}")
+    if packed and not x.is_cuda:
+        raise ValueError("the packed-halves INT4 GEMV is inline PTX: CUDA only")
+    if packed and group_size < 32:
+        raise ValueError(f"the packed-halves INT4 GEMV needs groups of 32 inputs or more, not {group_size}")
     check_grid_rows(n, config.block_n)
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -264,6 +458,16 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     grid = (m, triton.cdiv(n, config.block_n))
     common = (x, qweight, scales, zeros, bias if bias is not None else scales, out, n, words * PACK, x.stride(0),
               qweight.stride(0), scales.stride(0), out.stride(0), FLOAT_2_23_BITS)
+    if packed:
+        groups = config.block_k // group_size
+        if config.num_stages not in (1, 2):
+            raise ValueError(f"the packed-halves INT4 GEMV runs 1 or 2 stages, not {config.num_stages}")
+        _int4_packed_gemv_kernel[grid](
+            *common[:-1], GROUP=group_size, BLOCK_N=config.block_n, GROUPS=groups, PREFETCH=config.num_stages == 2,
+            HAS_BIAS=bias is not None,
+            EVEN=n % config.block_n == 0 and (words * PACK // group_size) % groups == 0, num_warps=config.num_warps,
+        )
+        return out
     if by_groups:
         groups = config.block_k // group_size
         _int4_group_gemv_kernel[grid](
@@ -534,4 +738,4 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     return out
 
 
-__all__ = ["GEMM_TILE_ROWS", "INT4_GEMV_CONFIGS", "GroupGemvConfig", "TcGemvConfig", "gemm_tiles", "int4_gemm", "int4_gemv"]
+__all__ = ["GEMM_TILE_ROWS", "INT4_GEMV_CONFIGS", "GroupGemvConfig", "PackedGemvConfig", "TcGemvConfig", "gemm_tiles", "int4_gemm", "int4_gemv"]

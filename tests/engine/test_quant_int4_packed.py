@@ -1,0 +1,209 @@
+"""The packed-halves INT4 GEMV (kernels/triton/quant_int4.py, ``PackedGemvConfig``): its word math
+is inline PTX in fp16 pairs, which Triton's interpreter cannot run. So the CPU tests check a torch
+emulation of exactly that arithmetic (fp16 lanes, the kernel's order of roundings) against the
+exact product and the dequantized reference, with activations up to 3e4; the gpu-marked tests
+check the compiled kernel against the emulation (to fp32 summation order and the output's
+rounding) and the reference, at the Qwen3-8B shapes and inside a CUDA graph."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from tidal_engine.kernels.triton.quant_int4 import (  # noqa: E402
+    EXPONENT_FLOOR,
+    INT4_GEMV_CONFIGS,
+    X_TOP,
+    GroupGemvConfig,
+    PackedGemvConfig,
+    int4_gemv,
+)
+from tidal_engine.quantization.int4 import dequantize, pack_rows, unpack_words  # noqa: E402
+from tidal_engine.quantization.quantizer import quantize_int4  # noqa: E402
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+_compiled_gpu = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETING,
+                                   reason="needs a CUDA device, kernels compiled (TRITON_INTERPRET=0)")
+
+
+def packed_gemv_emulation(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                          group_size: int) -> torch.Tensor:
+    """``_int4_packed_gemv_kernel``'s arithmetic in torch, fp32 ``[M, N]`` (before the output's
+    rounding): per group, x scaled by 2^(X_TOP - E) and rounded to fp16; per word and lane
+    (inputs 0-3 low, 4-7 high), one fp16 product and three fp16 multiply-adds; the lanes added in
+    fp16; the words' sums times scale * 2^(E - X_TOP) in fp32. Each fp16 operation is computed
+    exactly in fp64, then rounded once, as the hardware does."""
+    m, k = x.shape
+    n = qweight.shape[0]
+    groups = k // group_size
+    xf = x.float().view(m, groups, group_size)
+    biased = (xf.abs().amax(-1).view(torch.int32) >> 23) & 0xFF
+    biased = biased.clamp(min=EXPONENT_FLOOR.value)
+    down = ((254 + X_TOP.value - biased) << 23).view(torch.float32)
+    up = ((biased - X_TOP.value) << 23).view(torch.float32)
+    xs = (xf * down[..., None]).half().view(m, 1, k // 8, 2, 4).double()  # [m, 1, word, lane, step]
+    q = unpack_words(qweight).view(n, groups, group_size).double()
+    d = (q - zeros.double()[..., None]).view(1, n, k // 8, 2, 4)
+    lanes = (d[..., 0] * xs[..., 0]).half()
+    for step in range(1, 4):
+        lanes = (d[..., step] * xs[..., step] + lanes.double()).half()
+    words = (lanes[..., 0].double() + lanes[..., 1].double()).half().float()  # [m, n, word]
+    group_sums = words.view(m, n, groups, group_size // 8).sum(-1)
+    return (group_sums * (scales.float()[None] * up[:, None, :])).sum(-1)
+
+
+def _weights(fmt: str, n: int, k: int, group: int, symmetric: bool, seed: int = 0, device: str = "cpu",
+             dtype: torch.dtype = torch.float32) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """The repacked layout of a random ``[n, k]`` weight quantized as ``fmt`` would store it (GPTQ
+    v1's zero of 16 included: a zero stored as -1), and its exact float64 weights."""
+    generator = torch.Generator(device).manual_seed(seed)
+    w = torch.randn(n, k, generator=generator, device=device) * 0.05
+    q, scale, zero = quantize_int4(w, group, symmetric=symmetric)
+    if fmt == "gptq" and not symmetric:
+        zero[0, 0] = 16  # the v1 format's wrap of a zero of 0 (stored -1, read 15 + 1)
+    weights = (pack_rows(q), scale.to(dtype), zero.to(dtype))
+    exact = ((q.double().view(n, k // group, group) - zero.double()[..., None]) * scale.double()[..., None])
+    return weights, exact.view(n, k)
+
+
+def _activations(m: int, k: int, seed: int, device: str = "cpu") -> torch.Tensor:
+    """Normal activations with a few outliers up to 3e4 (a down_proj input can reach thousands),
+    one all-zero group and one of tiny values, rounded to bf16 as the model's would be."""
+    generator = torch.Generator(device).manual_seed(seed)
+    x = torch.randn(m, k, generator=generator, device=device)
+    x[:, 5] = 3.0e4
+    x[0, k // 2 + 3] = -2.9e4
+    x[:, 64:96] = 0.0  # part of a group
+    if k >= 256:
+        x[:, 128:160] = 0.0
+        x[:, 160:192] *= 1e-30
+        x[:, 192:256] = 0.0  # with the lines above: a group of 64 with nothing but zeros
+    return x.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("fmt,group,symmetric", [("awq", 128, False), ("awq", 64, True), ("gptq", 64, False),
+                                                 ("gptq", 128, True)])
+def test_emulated_packed_arithmetic_is_within_its_bound(fmt: str, group: int, symmetric: bool) -> None:
+    """The emulation is finite with activations up to 3e4 (no fp16 overflow) and within the
+    kernel comment's bound of the exact product: 5 fp16 roundings of 2^-11 of each word's sum of
+    |(q - z) x|, plus fp32 slack; it also agrees with the dequantized bf16 reference."""
+    n, k = 48, 512
+    weights, exact_w = _weights(fmt, n, k, group, symmetric)
+    x = _activations(3, k, seed=1)
+    got = packed_gemv_emulation(x, *weights, group)
+    assert torch.isfinite(got).all()
+    exact = x.double() @ exact_w.T
+    magnitude = x.double().abs() @ exact_w.abs().T  # sum of |w x| per output
+    bound = 5 * 2.0**-11 * magnitude + 1e-5 * magnitude.amax()
+    assert ((got.double() - exact).abs() <= bound).all()
+    # Tighter in practice than the worst case: the roundings are independent.
+    assert (got.double() - exact).abs().amax() <= 2.0**-9 * magnitude.amax()
+    reference = torch.nn.functional.linear(x.float(), dequantize(*weights, group, torch.bfloat16).float())
+    torch.testing.assert_close(got, reference, rtol=2e-2, atol=2e-2 * reference.abs().max().item())
+
+
+def test_emulated_packed_arithmetic_stays_finite_where_unscaled_fp16_would_not() -> None:
+    """A whole group at 3e4 (an unscaled fp16 lane of four such products would pass 65504) and
+    at the largest bf16 below fp16's limit: the group's power of two keeps every lane finite."""
+    weights, exact_w = _weights("awq", 16, 256, 128, False)
+    x = torch.cat([torch.full((1, 128), 3.0e4), torch.full((1, 128), -6.0e4)], dim=1).to(torch.bfloat16)
+    got = packed_gemv_emulation(x, *weights, 128)
+    exact = x.double() @ exact_w.T
+    magnitude = x.double().abs() @ exact_w.abs().T
+    assert torch.isfinite(got).all()
+    assert ((got.double() - exact).abs() <= 5 * 2.0**-11 * magnitude).all()
+
+
+def test_packed_gemv_is_refused_off_cuda() -> None:
+    """The kernel is inline PTX: on the CPU (where the choice never runs) it refuses with a
+    ValueError, which the start-up choice reads as "not a candidate here"."""
+    weights, _ = _weights("gptq", 16, 256, 128, False)
+    with pytest.raises(ValueError, match="CUDA only"):
+        int4_gemv(torch.randn(1, 256), *weights, 128, None, PackedGemvConfig(16, 256, 4))
+    with pytest.raises(ValueError, match="power-of-two number of groups"):
+        int4_gemv(torch.randn(1, 256), *weights, 128, None, PackedGemvConfig(16, 384, 4))
+
+
+def test_packed_candidates_have_their_own_stored_form() -> None:
+    from tidal_engine.kernels.compile_cache import decode_choice, encode_choice
+
+    packed = [c for c in INT4_GEMV_CONFIGS if isinstance(c, PackedGemvConfig)]
+    assert packed, "the packed-halves GEMV is a start-up candidate"
+    for config in packed:
+        twin = GroupGemvConfig(config.block_n, config.block_k, config.num_warps)
+        assert encode_choice(config) != encode_choice(twin)
+        assert decode_choice(encode_choice(config), (twin, config)) == (True, config)
+        assert decode_choice(encode_choice(twin), (config,)) == (False, None)
+
+
+# ---- GPU: compiled, bf16 -----------------------------------------------------------------
+def _check_against_emulation(got: torch.Tensor, x: torch.Tensor, weights: tuple[torch.Tensor, ...], group: int,
+                             bias: torch.Tensor | None = None) -> None:
+    """The kernel's fp16 lanes are the emulation's bit for bit; fp32 sums may differ in order
+    (far below the output's rounding), and the output is rounded to bf16 (2^-9)."""
+    emulated = packed_gemv_emulation(x, *weights, group)
+    if bias is not None:
+        emulated += bias.float()
+    torch.testing.assert_close(got.float(), emulated, rtol=2.0**-8, atol=1e-5 * emulated.abs().max().item())
+
+
+@pytest.mark.gpu
+@_compiled_gpu
+@pytest.mark.parametrize("fmt,group,symmetric", [("awq", 128, False), ("gptq", 128, True), ("gptq", 64, False)])
+@pytest.mark.parametrize("shape", [(6144, 4096), (4096, 12288), (40, 512)])
+def test_packed_gemv_matches_emulation_and_reference_gpu(fmt: str, group: int, symmetric: bool,
+                                                         shape: tuple[int, int]) -> None:
+    n, k = shape
+    weights, exact_w = _weights(fmt, n, k, group, symmetric, device="cuda", dtype=torch.bfloat16)
+    deq = dequantize(*weights, group, torch.bfloat16).float()
+    configs = [c for c in INT4_GEMV_CONFIGS if isinstance(c, PackedGemvConfig)] if group == 128 else \
+        [PackedGemvConfig(16, 1024, 4)]
+    configs.append(PackedGemvConfig(16, 2 * group, 4))  # masked rows and groups on the small shape
+    bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+    for rows, large in ((1, False), (1, True), (4, True)):
+        x = _activations(rows, k, seed=rows, device="cuda") if large else \
+            torch.randn(rows, k, device="cuda").to(torch.bfloat16)
+        reference = torch.nn.functional.linear(x.float(), deq)
+        tol = {"rtol": 2e-2, "atol": 2e-2 * reference.abs().max().item()}
+        for config in configs:
+            try:
+                got = int4_gemv(x, *weights, group, None, config)
+            except ValueError:  # the tile does not fit this shape (the choice skips it too)
+                continue
+            _check_against_emulation(got, x, weights, group)
+            torch.testing.assert_close(got.float(), reference, **tol)
+        got = int4_gemv(x, *weights, group, bias, configs[-1])
+        _check_against_emulation(got, x, weights, group, bias)
+
+
+@pytest.mark.gpu
+@_compiled_gpu
+def test_packed_gemv_replays_in_a_cuda_graph() -> None:
+    weights, _ = _weights("gptq", 4096, 4096, 128, False, device="cuda", dtype=torch.bfloat16)
+    config = next(c for c in INT4_GEMV_CONFIGS if isinstance(c, PackedGemvConfig))
+    static = _activations(1, 4096, seed=3, device="cuda")
+    int4_gemv(static, *weights, 128, None, config)  # compiled outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = int4_gemv(static, *weights, 128, None, config)
+    for seed in (4, 5, 6):
+        static.copy_(_activations(1, 4096, seed=seed, device="cuda") * (seed - 3))
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, int4_gemv(static, *weights, 128, None, config), rtol=0, atol=0)
+        _check_against_emulation(out, static, weights, 128)
+
+
+@pytest.mark.gpu
+@_compiled_gpu
+def test_packed_gemv_agrees_with_the_fp32_by_groups_kernel_gpu() -> None:
+    """Same tile, fp32 word math: the two differ by the packed kernel's fp16 roundings only."""
+    weights, _ = _weights("awq", 6144, 4096, 128, False, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(1, 4096, device="cuda").to(torch.bfloat16) * 30
+    fp32 = int4_gemv(x, *weights, 128, None, GroupGemvConfig(16, 2048, 4)).float()
+    packed = int4_gemv(x, *weights, 128, None, PackedGemvConfig(16, 2048, 4)).float()
+    torch.testing.assert_close(packed, fp32, rtol=2e-2, atol=1e-2 * fp32.abs().max().item())
