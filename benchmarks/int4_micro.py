@@ -44,7 +44,7 @@ GEMM_ALTERNATIVES = {16: [(16, 16, 128, 4, 4), (16, 64, 128, 4, 4)],
 # Packed-halves GEMV tiles timed at one row besides the start-up candidates.
 PACKED_ALTERNATIVES = [PackedGemvConfig(8, 2048, 2), PackedGemvConfig(8, 1024, 2), PackedGemvConfig(16, 1024, 2),
                        PackedGemvConfig(32, 2048, 8), PackedGemvConfig(64, 1024, 8), PackedGemvConfig(16, 2048, 4, 2),
-                       PackedGemvConfig(32, 1024, 4, 2), PackedGemvConfig(16, 4096, 8)]
+                       PackedGemvConfig(32, 1024, 4, 2), PackedGemvConfig(16, 4096, 8), PackedGemvConfig(64, 512, 4)]
 
 
 def config_name(config: Any) -> str:

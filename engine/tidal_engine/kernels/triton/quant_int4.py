@@ -259,20 +259,21 @@ def _pack_f16x2(lo, hi):
 
 
 @triton.jit
-def _packed_step_loads(q_tile, s_tile, z_tile, x_tile, g0, g, row_ok, n_groups, GW: tl.constexpr,
+def _packed_step_loads(q_ptr, s_ptr, z_ptr, q_offs, sz_offs, x_tile, g0, g, row_ok, n_groups, GW: tl.constexpr,
                        GROUP: tl.constexpr, EVEN: tl.constexpr):
-    """A step's words, scales and zeros (fp32) of groups ``g0 + g``, and their activations (fp32)."""
+    """A step's words, scales and zeros (fp32) of groups ``g0 + g`` (``q_offs``, ``sz_offs``: int32
+    offsets from the tensors' starts), and their activations (fp32)."""
     if EVEN:  # no masks: N and the groups are multiples of the tile
-        words = tl.load(q_tile + g0 * GW)
-        s = tl.load(s_tile + g0).to(tl.float32)
-        z = tl.load(z_tile + g0).to(tl.float32)
+        words = tl.load(q_ptr + (q_offs + g0 * GW))
+        s = tl.load(s_ptr + (sz_offs + g0)).to(tl.float32)
+        z = tl.load(z_ptr + (sz_offs + g0)).to(tl.float32)
         x = tl.load(x_tile + g0 * GROUP).to(tl.float32)
     else:
         g_ok = (g0 + g) < n_groups
         ok = row_ok[:, None] & g_ok[None, :]
-        words = tl.load(q_tile + g0 * GW, mask=ok[:, :, None], other=0)
-        s = tl.load(s_tile + g0, mask=ok, other=0.0).to(tl.float32)
-        z = tl.load(z_tile + g0, mask=ok, other=0.0).to(tl.float32)
+        words = tl.load(q_ptr + (q_offs + g0 * GW), mask=ok[:, :, None], other=0)
+        s = tl.load(s_ptr + (sz_offs + g0), mask=ok, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + (sz_offs + g0), mask=ok, other=0.0).to(tl.float32)
         x = tl.load(x_tile + g0 * GROUP, mask=g_ok[:, None, None], other=0.0).to(tl.float32)
     return words, s, z, x
 
@@ -358,10 +359,9 @@ def _int4_packed_gemv_kernel(
     row_ok = rows < N
     g = tl.arange(0, GROUPS)
     t = tl.arange(0, GW)
-    rows64 = rows.to(tl.int64)
-    q_tile = q_ptr + rows64[:, None, None] * stride_qn + (g[None, :, None] * GW + t[None, None, :])
-    s_tile = s_ptr + rows64[:, None] * stride_sn + g[None, :]
-    z_tile = z_ptr + rows64[:, None] * stride_sn + g[None, :]
+    # int32 offsets from the tensors' starts (the caller checks they fit): one add a 16-byte load.
+    q_offs = rows[:, None, None] * stride_qn + (g[None, :, None] * GW + t[None, None, :])
+    sz_offs = rows[:, None] * stride_sn + g[None, :]
     # A step's activations [groups, words, 8], each word's 8 inputs contiguous (16-byte loads).
     x_tile = (x_ptr + m.to(tl.int64) * stride_xm + g[:, None, None] * GROUP + t[None, :, None] * 8
               + tl.arange(0, 8)[None, None, :])
@@ -369,16 +369,17 @@ def _int4_packed_gemv_kernel(
     # Word sums are added four at a time in registers (the 4 words a 16-byte load holds).
     acc = tl.zeros([BLOCK_N, GROUPS, GW // 4], tl.float32)
     if PREFETCH:
-        words, s, z, x = _packed_step_loads(q_tile, s_tile, z_tile, x_tile, 0, g, row_ok, n_groups, GW, GROUP, EVEN)
+        words, s, z, x = _packed_step_loads(q_ptr, s_ptr, z_ptr, q_offs, sz_offs, x_tile, 0, g, row_ok,
+                                            n_groups, GW, GROUP, EVEN)
     for g0 in range(0, n_groups, GROUPS):
         if PREFETCH:  # the next step's loads in flight while this one computes (the last wraps to the first)
             g_next = g0 + GROUPS
             g_next = tl.where(g_next < n_groups, g_next, 0)
-            next_loads = _packed_step_loads(q_tile, s_tile, z_tile, x_tile, g_next, g, row_ok, n_groups, GW, GROUP,
-                                            EVEN)
+            next_loads = _packed_step_loads(q_ptr, s_ptr, z_ptr, q_offs, sz_offs, x_tile, g_next, g, row_ok,
+                                            n_groups, GW, GROUP, EVEN)
         else:
-            words, s, z, x = _packed_step_loads(q_tile, s_tile, z_tile, x_tile, g0, g, row_ok, n_groups, GW, GROUP,
-                                                EVEN)
+            words, s, z, x = _packed_step_loads(q_ptr, s_ptr, z_ptr, q_offs, sz_offs, x_tile, g0, g, row_ok,
+                                                n_groups, GW, GROUP, EVEN)
         # The biased exponent of each group's largest |x| (0 for an all-zero group, floored).
         biased = (tl.max(tl.max(tl.abs(x), axis=2), axis=1).to(tl.int32, bitcast=True) >> 23) & 0xFF
         biased = tl.maximum(biased, EXPONENT_FLOOR)
@@ -448,6 +449,9 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
         raise ValueError("the packed-halves INT4 GEMV is inline PTX: CUDA only")
     if packed and group_size < 32:
         raise ValueError(f"the packed-halves INT4 GEMV needs groups of 32 inputs or more, not {group_size}")
+    if packed and max(qweight.storage_offset() + qweight.shape[0] * qweight.stride(0),
+                      scales.storage_offset() + scales.shape[0] * scales.stride(0)) >= 2**31:
+        raise ValueError("the packed-halves INT4 GEMV addresses its weights with 32-bit offsets")
     check_grid_rows(n, config.block_n)
     if x.stride(1) != 1:
         x = x.contiguous()
