@@ -3,23 +3,24 @@
 ``scales`` and ``zeros`` ``[N, K/g]`` in the run dtype, ``w[n, k] = (q - zeros[n, k/g]) * scales[n, k/g]``.
 
 - ``int4_gemv``: a few rows (decode), never building the dequantized tile: a word's 8 inputs
-  share one group, so ``sum_i (q_i - z) s x_i = s (sum_i q_i x_i - z sum_i x_i)``. Three kernels,
+  share one group, so ``sum_i (q_i - z) s x_i = s (sum_i q_i x_i - z sum_i x_i)``. Four kernels,
   all candidates of the start-up choice (kernels/gemv_choice.py):
   - by groups (``GroupGemvConfig``): a ``[BLOCK_N, groups, words of a group]`` tile of words a
     step, loaded in 16-byte vectors; a thread holds several rows of the same few words, so one
     load of the activations and one of each row's scale and zero serve many weights, and each
     weight costs a mask-or, a subtraction and a multiply-add;
+  - by groups in packed halves (``PackedGemvConfig``, CUDA only: inline PTX): the by-groups
+    tile, each word's 8 products taken two at a time in fp16x2 (about 2 instructions a weight
+    against 4.3), see ``_int4_packed_gemv_kernel`` for the arithmetic and its accuracy; the
+    fastest at one row on the H200;
   - by words (``GemvConfig``): ``BLOCK_K``-wide runs of words, scale and zero loaded per word;
   - on tensor cores (``TcGemvConfig``): ``W @ x^T`` with the weights as the dot's first operand
     and the few rows padded to 16, a group step's nibbles turned into the integers ``q - z``
     (one multiply-add each) and its sums scaled once.
-  - by groups in packed halves (``PackedGemvConfig``, CUDA only: inline PTX): the by-groups
-    tile, each word's 8 products taken two at a time in fp16x2 (about 2 instructions a weight
-    against 4.3), see ``_int4_packed_gemv_kernel`` for the arithmetic and its accuracy.
   The tensor-core kernel may split K over ``split_k`` programs, which add fp32 partial sums
   into a workspace the last of them reads, zeroes and writes out (no memset between calls, so
   it works inside CUDA graphs).
-  Input rows are the fastest grid axis of the first two, so the programs of a few rows share
+  Input rows are the fastest grid axis of the first three, so the programs of a few rows share
   the words in L2.
 - ``int4_gemm``: more rows (prefill, decode batches). A ``[BLOCK_N, BLOCK_K/8]`` tile of words
   is loaded once, coalesced; each of its 8 nibbles is dequantized to the activations' dtype in
@@ -74,27 +75,20 @@ class TcGemvConfig(GemvConfig):
 
 # The candidates timed at start-up (kernels/gemv_choice.py); block_k counts weights (8 a word).
 INT4_GEMV_CONFIGS: tuple[GemvConfig, ...] = (
-    # By groups: the five best at one row on the H200 (benchmarks/results/h200-2026-12-01c-int4);
-    # they win every 8B shape there.
-    GroupGemvConfig(8, 2048, 2),
-    GroupGemvConfig(16, 1024, 4),
-    GroupGemvConfig(16, 2048, 4),
-    GroupGemvConfig(16, 2048, 8),
-    GroupGemvConfig(32, 2048, 8),
-    # By groups in packed halves (CUDA only), some loading the next step ahead (num_stages 2).
-    PackedGemvConfig(16, 2048, 4),
-    PackedGemvConfig(16, 1024, 4),
-    PackedGemvConfig(16, 2048, 8),
-    PackedGemvConfig(32, 1024, 4),
+    # By groups in packed halves (CUDA only): on the H200 (benchmarks/results/h200-2026-12-02-int4)
+    # the prefetching 16 x 1024 tile wins one row on every 8B shape (53.3 us a layer against the
+    # fp32 by-groups kernel's 77.4) and 4 rows on two; 32 x 1024 wins 4 rows of 6144 x 4096.
     PackedGemvConfig(16, 1024, 4, 2),
-    PackedGemvConfig(16, 2048, 8, 2),
+    PackedGemvConfig(16, 1024, 4),
+    PackedGemvConfig(32, 1024, 4),
+    # By groups, fp32 word math: where the packed kernel cannot run (before sm_80, groups of 16).
+    GroupGemvConfig(16, 2048, 4),
+    GroupGemvConfig(16, 1024, 4),
     # By words: any group size.
-    GemvConfig(4, 512, 4),
     GemvConfig(8, 512, 4),
-    # Tensor cores: 2-4 rows cost what one row does (h200-2026-12-01e-int4: 24576 x 4096 at 4
-    # rows in 47 us against the GEMM's 53; 1.3-2.5x slower than by groups at one row).
+    # Tensor cores: 2-4 rows cost what one row does (24576 x 4096 at 4 rows: 47 us against the
+    # GEMM's 53 and the packed kernel's 76.5; 1.3-2.5x slower than by groups at one row).
     TcGemvConfig(64, 128, 4, 1),
-    TcGemvConfig(64, 128, 4, 4),
     TcGemvConfig(64, 64, 4, 4),
 )
 
