@@ -11,7 +11,12 @@ Bandwidth counts the INT4 words plus the scales and zeros (bf16: the 16-bit weig
 ``err_r{rows}_{kernel}``: a GEMV's largest error against the fp32 product of the dequantized
 weights, relative to the largest output.
 
-    PYTHONPATH=engine TRITON_INTERPRET=0 python benchmarks/int4_micro.py --out FILE
+The gate|up shape (``GATE_UP``) is also timed at one row as the decode step runs it: each
+by-groups tile with SiLU-and-mul folded into its epilogue (``folded_r1_{kernel}_us``), and the
+plain kernel followed by the activation kernel (``then_act_r1_{kernel}_us``); the activation
+kernel alone on ``[1, N/2]`` is ``silu_and_mul_r1_us``. ``--rows 1`` times one row only.
+
+    PYTHONPATH=engine TRITON_INTERPRET=0 python benchmarks/int4_micro.py [--rows 1] --out FILE
 """
 
 from __future__ import annotations
@@ -25,17 +30,20 @@ from typing import Any
 import torch
 
 from tidal_engine.kernels.gemv_choice import rotation_copies, rotation_sets, time_in_graph
+from tidal_engine.kernels.triton.activation import silu_and_mul
 from tidal_engine.kernels.triton.quant_int4 import (
     INT4_GEMV_CONFIGS,
     PackedGemvConfig,
     gemm_tiles,
     int4_gemm,
     int4_gemv,
+    int4_tile_folds_silu_and_mul,
 )
 from tidal_engine.quantization.int4 import dequantize, pack_rows
 from tidal_engine.quantization.quantizer import quantize_int4
 
 SHAPES = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)]
+GATE_UP = (24576, 4096)
 GROUP = 128
 ROWS = (1, 4, 16, 128)
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) tried besides gemm_tiles' own.
@@ -64,7 +72,33 @@ def _safe_time(fn: Any, copies: list[Any]) -> float:
         return float("nan")
 
 
-def bench_shape(n: int, k: int) -> dict[str, Any]:
+def bench_folded(row: dict[str, Any], x: torch.Tensor, weights: tuple[torch.Tensor, ...], expected: torch.Tensor,
+                 copies: list[Any], configs: tuple[Any, ...]) -> None:
+    """A gate|up weight at one row as the step runs it: each folding tile with SiLU-and-mul in its
+    epilogue, and the plain kernel then the activation kernel; the error of the folded output
+    against the activation of the fp32 reference."""
+    n = weights[0].shape[0]
+    act_expected = torch.nn.functional.silu(expected[:, :n // 2]) * expected[:, n // 2:]
+    y = int4_gemv(x, *weights, GROUP, None, configs[0])
+    row["silu_and_mul_r1_us"] = _safe_time(lambda _: silu_and_mul(y), copies[:1])
+    for config in configs:
+        if not int4_tile_folds_silu_and_mul(config, n):
+            continue
+        name = config_name(config)
+        try:
+            got = int4_gemv(x, *weights, GROUP, None, config, silu_and_mul=True).float()
+        except ValueError:
+            continue
+        row[f"err_folded_r1_{name}"] = ((got - act_expected).abs().max() / act_expected.abs().max()).item()
+        row[f"folded_r1_{name}_us"] = _safe_time(
+            lambda ws, c=config: int4_gemv(x, *ws, GROUP, None, c, silu_and_mul=True), copies)
+        row[f"then_act_r1_{name}_us"] = _safe_time(
+            lambda ws, c=config: silu_and_mul(int4_gemv(x, *ws, GROUP, None, c)), copies)
+        print(f"  gate|up {name}: folded {row[f'folded_r1_{name}_us']:.1f} us, then the activation kernel "
+              f"{row[f'then_act_r1_{name}_us']:.1f} us", flush=True)
+
+
+def bench_shape(n: int, k: int, rows_list: tuple[int, ...] = ROWS) -> dict[str, Any]:
     w = torch.randn(n, k, device="cuda") * 0.02
     q, scale, zero = quantize_int4(w, GROUP, symmetric=False)  # q [N, K] 0..15, scale/zero [N, K/g]
     weights = (pack_rows(q.contiguous()), scale.to(torch.bfloat16).contiguous(), zero.to(torch.bfloat16).contiguous())
@@ -74,7 +108,7 @@ def bench_shape(n: int, k: int) -> dict[str, Any]:
     row: dict[str, Any] = {"int4_bytes": int4_bytes, "bf16_bytes": deq.numel() * 2}
     int4_copies = rotation_sets(weights)
     bf16_copies = rotation_copies(deq)
-    for rows in ROWS:
+    for rows in rows_list:
         x = torch.randn(rows, k, device="cuda").to(torch.bfloat16)
         expected = torch.nn.functional.linear(x.float(), deq.float())
         tol = {"rtol": 2e-2, "atol": 2e-2 * expected.abs().max().item()}
@@ -107,6 +141,8 @@ def bench_shape(n: int, k: int) -> dict[str, Any]:
                     continue
                 row[f"gemv_r{rows}_{name}_us"] = _safe_time(
                     lambda ws, c=config: int4_gemv(x, *ws, GROUP, None, c), int4_copies)
+        if rows == 1 and (n, k) == GATE_UP:
+            bench_folded(row, x, weights, expected, int4_copies, INT4_GEMV_CONFIGS + tuple(PACKED_ALTERNATIVES))
         gemvs = {key: v for key, v in row.items() if key.startswith(f"gemv_r{rows}_") and v == v}
         if gemvs:
             best = min(gemvs, key=gemvs.__getitem__)
@@ -124,10 +160,11 @@ def bench_shape(n: int, k: int) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
+    ap.add_argument("--rows", type=int, nargs="+", default=list(ROWS), help="input row counts to time")
     args = ap.parse_args()
     results: dict[str, Any] = {}
     for n, k in SHAPES:
-        results[f"{n}x{k}"] = bench_shape(n, k)
+        results[f"{n}x{k}"] = bench_shape(n, k, tuple(args.rows))
         text = json.dumps({"commit": os.environ.get("TIDAL_COMMIT", "unknown"),
                            "date": os.environ.get("TIDAL_BENCH_DATE") or datetime.date.today().isoformat(),
                            "device": torch.cuda.get_device_name(), "torch": torch.__version__, "group_size": GROUP,

@@ -3,7 +3,10 @@ is inline PTX in fp16 pairs, which Triton's interpreter cannot run. So the CPU t
 emulation of exactly that arithmetic (fp16 lanes, the kernel's order of roundings) against the
 exact product and the dequantized reference, with activations up to 3e4; the gpu-marked tests
 check the compiled kernel against the emulation (to fp32 summation order and the output's
-rounding) and the reference, at the Qwen3-8B shapes and inside a CUDA graph."""
+rounding) and the reference, at the Qwen3-8B shapes and inside a CUDA graph. A gate|up weight's
+kernel with SiLU-and-mul in its epilogue (``silu_and_mul=True``) is checked the same way: the
+emulation then the activation on CPU, the compiled kernel against the plain kernel followed by
+the activation kernel on the GPU, eager and in a CUDA graph."""
 
 from __future__ import annotations
 
@@ -21,7 +24,9 @@ from tidal_engine.kernels.triton.quant_int4 import (  # noqa: E402
     GroupGemvConfig,
     PackedGemvConfig,
     int4_gemv,
+    int4_tile_folds_silu_and_mul,
 )
+from tidal_engine.kernels.triton.activation import silu_and_mul  # noqa: E402
 from tidal_engine.quantization.int4 import dequantize, pack_rows, unpack_words  # noqa: E402
 from tidal_engine.quantization.quantizer import quantize_int4  # noqa: E402
 
@@ -118,6 +123,27 @@ def test_emulated_packed_arithmetic_stays_finite_where_unscaled_fp16_would_not()
     assert ((got.double() - exact).abs() <= 5 * 2.0**-11 * magnitude).all()
 
 
+def test_emulated_packed_gate_up_then_activation_is_within_the_references_tolerance() -> None:
+    """What the folded kernel writes: the emulated gate and up sums rounded to bf16 (as the plain
+    store rounds them), then silu(gate) * up in fp32, rounded once. Against the activation of
+    the dequantized bf16 reference, with activations up to 3e4: within 2e-2 of the largest output
+    (the plain kernel's tolerance; SiLU's slope is at most 1.1, so an error in gate or up of e
+    moves the product by at most about 1.1 e |up| + e |silu(gate)|)."""
+    inter, k = 24, 512
+    weights, exact_w = _weights("gptq", 2 * inter, k, 128, False)
+    x = _activations(2, k, seed=2)
+    sums = packed_gemv_emulation(x, *weights, 128).to(torch.bfloat16).float()
+    gate, up = sums[:, :inter], sums[:, inter:]
+    got = (gate * torch.sigmoid(gate) * up).to(torch.bfloat16).float()
+    reference = torch.nn.functional.linear(x.float(), dequantize(*weights, 128, torch.bfloat16).float())
+    expected = torch.nn.functional.silu(reference[:, :inter]) * reference[:, inter:]
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
+    assert int4_tile_folds_silu_and_mul(PackedGemvConfig(16, 1024, 4, 2), 2 * inter)
+    with pytest.raises(ValueError, match="CUDA only"):
+        int4_gemv(x, *weights, 128, None, PackedGemvConfig(16, 256, 4), silu_and_mul=True)
+
+
 def test_packed_gemv_is_refused_off_cuda() -> None:
     """The kernel is inline PTX: on the CPU (where the choice never runs) it refuses with a
     ValueError, which the start-up choice reads as "not a candidate here"."""
@@ -207,3 +233,100 @@ def test_packed_gemv_agrees_with_the_fp32_by_groups_kernel_gpu() -> None:
     fp32 = int4_gemv(x, *weights, 128, None, GroupGemvConfig(16, 2048, 4)).float()
     packed = int4_gemv(x, *weights, 128, None, PackedGemvConfig(16, 2048, 4)).float()
     torch.testing.assert_close(packed, fp32, rtol=2e-2, atol=1e-2 * fp32.abs().max().item())
+
+
+def _folded_checks(x: torch.Tensor, weights: tuple[torch.Tensor, ...], group: int, config: PackedGemvConfig,
+                   bias: torch.Tensor | None) -> torch.Tensor:
+    """The packed kernel with SiLU-and-mul against the plain packed kernel followed by the
+    activation kernel: each row's sum is computed as without it and rounded to bf16 the same
+    way, and the activation is the activation kernel's fp32 arithmetic, so the two are expected
+    to be equal; the tolerance allows one bf16 rounding (2^-8) in case the compiler contracts the
+    epilogue differently. Returns the folded output."""
+    folded = int4_gemv(x, *weights, group, bias, config, silu_and_mul=True)
+    plain = silu_and_mul(int4_gemv(x, *weights, group, bias, config))
+    assert folded.shape == (x.shape[0], weights[0].shape[0] // 2) and folded.dtype == x.dtype
+    torch.testing.assert_close(folded.float(), plain.float(), rtol=2.0**-8, atol=1e-6 * plain.abs().max().item())
+    return folded
+
+
+@pytest.mark.gpu
+@_compiled_gpu
+@pytest.mark.parametrize("shape", [(24576, 4096), (48, 512)])
+def test_packed_gemv_folds_silu_and_mul_as_the_activation_kernel_gpu(shape: tuple[int, int]) -> None:
+    """Qwen3-8B's gate|up, and a small one whose 24 pairs leave the last tile of 8 pairs partly
+    empty (masked rows and groups), at 1 and 4 rows, with and without a bias; also against the
+    activation of the dequantized reference."""
+    n, k = shape
+    weights, _ = _weights("awq", n, k, 128, False, device="cuda", dtype=torch.bfloat16)
+    deq = dequantize(*weights, 128, torch.bfloat16).float()
+    configs = [c for c in INT4_GEMV_CONFIGS if isinstance(c, PackedGemvConfig)] + [PackedGemvConfig(16, 256, 4),
+                                                                                   GroupGemvConfig(16, 1024, 4)]
+    bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+    for rows, large in ((1, False), (1, True), (4, True)):
+        x = _activations(rows, k, seed=rows, device="cuda") if large else \
+            torch.randn(rows, k, device="cuda").to(torch.bfloat16)
+        reference = torch.nn.functional.linear(x.float(), deq)
+        expected = torch.nn.functional.silu(reference[:, :n // 2]) * reference[:, n // 2:]
+        for config in configs:
+            try:
+                folded = _folded_checks(x, weights, 128, config, None)
+            except ValueError:  # the tile does not fit this shape
+                continue
+            torch.testing.assert_close(folded.float(), expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
+            _folded_checks(x, weights, 128, config, bias)
+
+
+@pytest.mark.gpu
+@_compiled_gpu
+def test_packed_gemv_with_silu_and_mul_replays_in_a_cuda_graph() -> None:
+    weights, _ = _weights("gptq", 2 * 12288, 4096, 128, False, device="cuda", dtype=torch.bfloat16)
+    config = next(c for c in INT4_GEMV_CONFIGS if isinstance(c, PackedGemvConfig))
+    static = _activations(1, 4096, seed=3, device="cuda")
+    int4_gemv(static, *weights, 128, None, config, silu_and_mul=True)  # compiled outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = int4_gemv(static, *weights, 128, None, config, silu_and_mul=True)
+    for seed in (4, 5, 6):
+        static.copy_(_activations(1, 4096, seed=seed, device="cuda") * (seed - 3))
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, int4_gemv(static, *weights, 128, None, config, silu_and_mul=True),
+                                   rtol=0, atol=0)
+        torch.testing.assert_close(out, _folded_checks(static, weights, 128, config, None), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@_compiled_gpu
+def test_choice_of_an_int4_gate_up_folds_and_replays_in_a_cuda_graph() -> None:
+    """The start-up choice on a gate|up INT4 linear (timed with SiLU-and-mul as the step runs
+    it), then the layer's activated forward at 1 and 4 rows, captured after the choice compiled
+    the folded kernel (``launch_folded``), equal to eager and to the unfolded path."""
+    from tidal_engine.kernels.gemv_choice import choose_gemv
+    from tidal_engine.layers.activation import SiluAndMul
+    from tidal_engine.layers.linear import Linear
+    from tidal_engine.quantization.int4 import Int4LinearMethod
+
+    n, k = 2 * 12288, 4096
+    weights, _ = _weights("awq", n, k, 128, False, device="cuda", dtype=torch.bfloat16)
+    with torch.device("cuda"):
+        layer = Linear(k, n, bias=False, method=Int4LinearMethod("awq", 128))
+    layer.qweight, layer.scales, layer.zeros = (torch.nn.Parameter(t, requires_grad=False) for t in weights)
+    del layer.qzeros  # the checkpoint's layout, replaced by ``zeros`` (as after loading)
+    layer.group_size = 128
+    layer.output_activation_name = "silu_and_mul"
+    cache: dict = {}
+    choose_gemv(torch.nn.ModuleList([layer]), cache, dtype=torch.bfloat16)
+    assert {key[2] for key in cache} == {"int4g128r1", "int4g128r4"}
+    act = SiluAndMul()
+    assert layer.gemv_config is not None and layer.folds(torch.zeros(1, k, device="cuda", dtype=torch.bfloat16), act)
+    for rows in (1, 4):
+        static = torch.randn(rows, k, device="cuda").to(torch.bfloat16)
+        eager = layer(static, output_activation=act)
+        torch.testing.assert_close(eager.float(), act(layer(static)).float(), rtol=2.0**-8,
+                                   atol=1e-6 * eager.float().abs().max().item())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = layer(static, output_activation=act)
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, eager, rtol=0, atol=0)

@@ -26,10 +26,12 @@ from tidal_engine.kernels.triton.quant_int4 import _split_workspaces  # noqa: E4
 from tidal_engine.kernels.triton.quant_int4 import (  # noqa: E402
     INT4_GEMV_CONFIGS,
     GroupGemvConfig,
+    PackedGemvConfig,
     TcGemvConfig,
     gemm_tiles,
     int4_gemm,
     int4_gemv,
+    int4_tile_folds_silu_and_mul,
 )
 from tidal_engine.kernels.triton.activation import silu_and_mul  # noqa: E402
 from tidal_engine.layers.activation import SiluAndMul  # noqa: E402
@@ -259,6 +261,107 @@ def test_int4_kernels_refuse_what_they_cannot_read() -> None:
         int4_gemv(torch.randn(1, 128), *weights, 64, None, TcGemvConfig(64, 128, 4, 1))
     with pytest.raises(ValueError, match="up to 16 rows"):
         int4_gemv(torch.randn(17, 128), *weights, 64, None, TcGemvConfig(64, 64, 4, 1))
+
+
+@_cpu
+def test_int4_by_groups_gemv_activates_gate_up_pairs_exactly_as_the_activation_kernel() -> None:
+    # gate row i next to up row I + i, then silu(gate) * up: bit for bit the plain by-groups GEMV
+    # followed by the activation kernel (each row's sum is the same, rounded the same), at one
+    # row and at several, with a bias. I = 20 in tiles of 8 pairs: the last tile is partly empty.
+    layer, _ = _int4_layer("awq", 40, 256, 64, False)
+    weights = (layer.qweight, layer.scales, layer.zeros)
+    b = torch.randn(40)
+    for rows in (1, 3):
+        x = torch.randn(rows, 256)
+        for config in (GroupGemvConfig(16, 128, 1), GroupGemvConfig(4, 256, 1)):
+            got = int4_gemv(x, *weights, 64, b, config, silu_and_mul=True)
+            assert got.shape == (rows, 20)
+            assert torch.equal(got, silu_and_mul(int4_gemv(x, *weights, 64, b, config)))
+    # Only the by-groups kernels fold, and only whole gate/up pairs a tile.
+    assert int4_tile_folds_silu_and_mul(GroupGemvConfig(16, 128, 1), 40)
+    assert int4_tile_folds_silu_and_mul(PackedGemvConfig(16, 1024, 4, 2), 24576)
+    for config in (GemvConfig(8, 128, 2), TcGemvConfig(64, 64, 4, 1), None):
+        assert not int4_tile_folds_silu_and_mul(config, 40)
+    assert not int4_tile_folds_silu_and_mul(GroupGemvConfig(16, 128, 1), 41)
+    with pytest.raises(ValueError, match="by-groups"):
+        int4_gemv(x, *weights, 64, b, GemvConfig(8, 128, 2), silu_and_mul=True)
+    with pytest.raises(ValueError, match="even"):
+        int4_gemv(x, *weights, 64, b, GroupGemvConfig(1, 128, 1), silu_and_mul=True)
+
+
+@_cpu
+def test_int4_gate_up_folds_the_activation_only_into_its_by_groups_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    import tidal_engine.kernels.triton.quant_int4 as kernels
+
+    layer, _ = _int4_layer("gptq", 48, 128, 64, False)
+    act = SiluAndMul()
+    calls: list[tuple[int, bool]] = []
+    original = kernels.int4_gemv
+    monkeypatch.setattr(kernels, "int4_gemv", lambda x, *a, **k: calls.append((x.shape[0], k.get("silu_and_mul", False)))
+                        or original(x, *a, **k))
+    inputs = {rows: torch.randn(rows, 128) for rows in (1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1)}
+    # No choice made: the reference path, then SiluAndMul, as without output_activation.
+    assert all(torch.equal(layer(x, output_activation=act), act(layer(x))) for x in inputs.values())
+    assert calls == []
+    # A by-groups tile at one row folds; the by-words tile at a few rows runs plain, then SiluAndMul.
+    layer.gemv_config, layer.gemv_config_few = GroupGemvConfig(8, 128, 1), GemvConfig(4, 64, 1)
+    for x in inputs.values():  # the CPU SiluAndMul is torch's silu: the last bit may differ
+        torch.testing.assert_close(layer(x, output_activation=act), act(layer(x)), rtol=1e-5, atol=1e-5)
+    assert calls == [(1, True), (1, False), (GEMV_MAX_ROWS, False), (GEMV_MAX_ROWS, False)]
+    # The start-up choice launches the folded kernel once per row count that folds (before any capture).
+    calls.clear()
+    layer.output_activation_name = act.name
+    layer.launch_folded(torch.float32, GEMV_MAX_ROWS + 2)
+    assert calls == [(1, True)]
+    layer.gemv_config_few = GroupGemvConfig(16, 128, 1)
+    calls.clear()
+    layer.launch_folded(torch.float32, GEMV_MAX_ROWS + 2)
+    assert calls == [(rows, True) for rows in range(1, GEMV_MAX_ROWS + 1)]
+
+
+@_cpu
+def test_choice_times_an_int4_gate_up_as_the_decode_step_runs_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A gate|up INT4 linear's candidates are timed with SiLU-and-mul: folded into a by-groups
+    tile, after a tile that cannot fold and after the general path, so a tile that cannot fold
+    pays for the activation kernel as it does in the step; a folded tile that disagrees with its
+    plain form is not a candidate."""
+    import tidal_engine.kernels.gemv_choice as choice
+    import tidal_engine.kernels.triton.activation as activation_kernels
+    from tidal_engine.quantization.int4 import Int4LinearMethod as Int4
+
+    folds, plain_only, folds_wrong = GroupGemvConfig(8, 128, 1), GemvConfig(8, 64, 1), GroupGemvConfig(4, 128, 1)
+    monkeypatch.setattr(Int4, "gemv_candidates", (folds, plain_only, folds_wrong))
+    original = Int4.run_gemv_activated
+
+    def broken(self, layer, x, weights, bias, config, activation):
+        y = original(self, layer, x, weights, bias, config, activation)
+        return y + 100.0 if config == folds_wrong else y
+
+    monkeypatch.setattr(Int4, "run_gemv_activated", broken)
+    activations: list[int] = []
+    original_activation = activation_kernels.silu_and_mul
+    monkeypatch.setattr(activation_kernels, "silu_and_mul", lambda y: activations.append(y.shape[-1])
+                        or original_activation(y))
+    outputs: dict = {}
+
+    def fake_time(fns: dict, weights: list) -> dict:
+        for candidate, fn in fns.items():
+            activations.clear()
+            outputs[candidate] = (fn(weights[0]), list(activations))
+        return {candidate: {None: 10.0, folds: 5.0, plain_only: 4.0, folds_wrong: 1.0}[candidate] for candidate in fns}
+
+    monkeypatch.setattr(choice, "time_in_graphs", fake_time)
+    gate_up, _ = _int4_layer("gptq", 32, 128, 64, False)
+    gate_up.output_activation_name = "silu_and_mul"
+    cache: dict = {}
+    choice.choose_gemv(torch.nn.ModuleList([gate_up]), cache, dtype=torch.float32)
+    assert set(outputs) == {None, folds, plain_only}  # the wrong folded tile was never timed
+    x = torch.randn(1, 128)
+    for candidate, (out, activated) in outputs.items():
+        assert out.shape[-1] == 16  # every candidate timed with the activation
+        assert activated == ([] if candidate == folds else [32])  # folded: no activation kernel
+    assert cache[(32, 128, "int4g64r1", False)] == plain_only and gate_up.gemv_config == plain_only
+    torch.testing.assert_close(gate_up(x, output_activation=SiluAndMul()), silu_and_mul(gate_up(x)))
 
 
 @_cpu

@@ -120,6 +120,9 @@ def _choose_small_batch(module: nn.Module, cache: dict[Any, Candidate], dtype: t
         return False
     kind = method.gemv_kind(module)
     copies: list[tuple[torch.Tensor, ...]] | None = None
+    # A gate|up linear is timed as the decode step runs it (as ``one_row_as_in_the_step`` does for
+    # 16-bit weights): the folded kernel where the tile folds, else the matmul then the activation.
+    activated = method.times_output_activation and getattr(module, "output_activation_name", None) == "silu_and_mul"
     for rows, attr in ((1, "gemv_config"), (GEMV_MAX_ROWS, "gemv_config_few")):
         key = (module.out_features, module.in_features, f"{kind}r{rows}", bias is not None)
         if key not in cache:
@@ -128,9 +131,15 @@ def _choose_small_batch(module: nn.Module, cache: dict[Any, Candidate], dtype: t
             x = torch.randn(rows, module.in_features, dtype=dtype, device=weights[0].device)
             reference = method.run_general(module, x, weights, bias).float()
             runs: dict[Candidate, Callable[[Any], Any]] = {None: lambda ws: method.run_general(module, x, ws, bias)}
+            if activated:
+                from tidal_engine.kernels.triton.activation import silu_and_mul
+
+                runs[None] = lambda ws: silu_and_mul(method.run_general(module, x, ws, bias))
             for config in method.gemv_candidates:
                 try:
                     got = method.run_gemv(module, x, weights, bias, config).float()
+                    folded = method.run_gemv_activated(module, x, weights, bias, config, "silu_and_mul").float() \
+                        if activated else None
                 except ValueError:  # the tile does not fit this shape
                     continue
                 except Exception as exc:  # e.g. Triton out of resources on this GPU: not a candidate here
@@ -143,7 +152,16 @@ def _choose_small_batch(module: nn.Module, cache: dict[Any, Candidate], dtype: t
                 if not torch.allclose(got, reference, rtol=0.1, atol=0.1 * reference.abs().max().item()):
                     logger.warning("small-batch kernel %s disagrees with the general path on %s; not used", config, key)
                     continue
-                runs[config] = lambda ws, c=config: method.run_gemv(module, x, ws, bias, c)
+                if folded is None:
+                    runs[config] = lambda ws, c=config: method.run_gemv(module, x, ws, bias, c)
+                    continue
+                # An activation folded into the epilogue must give that of the plain kernel's output.
+                expected = silu_and_mul(got.to(dtype)).float()
+                if not torch.allclose(folded, expected, rtol=0.1, atol=0.1 * expected.abs().max().item()):
+                    logger.warning("small-batch kernel %s with SiLU-and-mul disagrees with its plain form on %s; "
+                                   "not used", config, key)
+                    continue
+                runs[config] = lambda ws, c=config: method.run_gemv_activated(module, x, ws, bias, c, "silu_and_mul")
             timings = time_in_graphs(runs, copies)
             cache[key] = pick_fastest(timings)
             logger.info("%d-row %s linear %dx%d: %s (%s)", rows, kind, key[0], key[1], cache[key] or "general path",

@@ -68,6 +68,10 @@ class SmallBatchKernel(ABC):
     the layer (``gemv_config``, ``gemv_config_few``; None: the general path)."""
 
     gemv_candidates: tuple[Any, ...] = ()
+    # Whether the choice times a linear that has an output activation (gate_up: SiLU-and-mul) as
+    # the decode step runs it (``run_gemv_activated``, and the general path then the activation
+    # kernel); off, each is timed without the activation.
+    times_output_activation: bool = False
 
     @abstractmethod
     def gemv_kind(self, layer: Any) -> str:
@@ -84,6 +88,13 @@ class SmallBatchKernel(ABC):
     @abstractmethod
     def run_general(self, layer: Any, x: Any, weights: tuple[Any, ...], bias: Any) -> Any:
         """The path for any number of rows on this device."""
+
+    def run_gemv_activated(self, layer: Any, x: Any, weights: tuple[Any, ...], bias: Any, config: Any,
+                           activation: str) -> Any:
+        """``activation`` of the small-batch kernel's output as the decode step makes it: in the
+        kernel's epilogue where tile ``config`` folds it, else the activation kernel after it.
+        Only where ``times_output_activation``."""
+        raise NotImplementedError(f"{type(self).__name__} does not time its output activation")
 
     def warm_up(self, layer: Any, dtype: Any) -> None:
         """Compile what the general path may run at any row count, before CUDA graphs are

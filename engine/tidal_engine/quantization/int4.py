@@ -187,6 +187,37 @@ class Int4LinearMethod(LinearMethod, SmallBatchKernel):
         y = self.apply_2d(layer, x.reshape(-1, shape[-1]), bias)
         return y.reshape(*shape[:-1], y.shape[-1])
 
+    # The by-groups GEMVs (packed halves and fp32) activate gate/up pairs in their epilogue; the
+    # others and the general path do not.
+    times_output_activation = True
+
+    def folds_activation(self, layer: LinearBase, x: torch.Tensor, activation: str) -> bool:
+        from tidal_engine.kernels.triton.quant_int4 import int4_tile_folds_silu_and_mul
+
+        config = self.small_batch_config(layer, x.numel() // x.shape[-1])
+        return activation == "silu_and_mul" and int4_tile_folds_silu_and_mul(config, layer.out_features)
+
+    def apply_activated(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None,
+                        activation: str) -> torch.Tensor:
+        from tidal_engine.kernels.triton.quant_int4 import int4_gemv
+
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        y = int4_gemv(x2, *self.gemv_weights(layer), self.group_size, bias, self.small_batch_config(layer, x2.shape[0]),
+                      silu_and_mul=True)
+        return y.reshape(*shape[:-1], y.shape[-1])
+
+    def run_gemv_activated(self, layer: LinearBase, x: torch.Tensor, weights: tuple[torch.Tensor, ...],
+                           bias: torch.Tensor | None, config: Any, activation: str) -> torch.Tensor:
+        from tidal_engine.kernels.triton.activation import silu_and_mul
+        from tidal_engine.kernels.triton.quant_int4 import int4_gemv, int4_tile_folds_silu_and_mul
+
+        if activation != "silu_and_mul":
+            raise ValueError(f"int4: no {activation} after the GEMV")
+        if int4_tile_folds_silu_and_mul(config, weights[0].shape[0]):
+            return int4_gemv(x, *weights, self.group_size, bias, config, silu_and_mul=True)
+        return silu_and_mul(self.run_gemv(layer, x, weights, bias, config))
+
 
 def _check_bits(name: str, config: dict[str, Any]) -> int:
     bits = int(config.get("bits", config.get("w_bit", 4)))

@@ -38,7 +38,14 @@ import torch
 import triton
 import triton.language as tl
 
-from tidal_engine.kernels.triton.gemv import GemvConfig, check_grid_rows
+from tidal_engine.kernels.triton.gemv import (
+    GemvConfig,
+    check_gated,
+    check_grid_rows,
+    program_rows,
+    store_rows,
+    tile_folds_silu_and_mul,
+)
 
 PACK = 8
 FLOAT_2_23_BITS = 0x4B000000  # float32 2^23: a small integer or-ed into its mantissa reads as 2^23 + it
@@ -190,11 +197,11 @@ def _int4_group_gemv_kernel(
     GROUPS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     EVEN: tl.constexpr,
+    SILU_AND_MUL: tl.constexpr,
 ):
     GW: tl.constexpr = GROUP // 8  # words of a group
     m = tl.program_id(0)
-    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
+    rows, row_ok = program_rows(tl.program_id(1), N, BLOCK_N, SILU_AND_MUL)
     g = tl.arange(0, GROUPS)
     t = tl.arange(0, GW)
     rows64 = rows.to(tl.int64)
@@ -232,7 +239,7 @@ def _int4_group_gemv_kernel(
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + m.to(tl.int64) * stride_om + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
+    store_rows(out_ptr + m.to(tl.int64) * stride_om, y, rows, row_ok, tl.program_id(1), N, BLOCK_N, SILU_AND_MUL)
 
 
 # ---- by groups in packed halves (fp16x2), CUDA only ----------------------------------------
@@ -346,11 +353,11 @@ def _int4_packed_gemv_kernel(
     PREFETCH: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     EVEN: tl.constexpr,
+    SILU_AND_MUL: tl.constexpr,
 ):
     GW: tl.constexpr = GROUP // 8  # words of a group
     m = tl.program_id(0)
-    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
+    rows, row_ok = program_rows(tl.program_id(1), N, BLOCK_N, SILU_AND_MUL)
     g = tl.arange(0, GROUPS)
     t = tl.arange(0, GW)
     # int32 offsets from the tensors' starts (the caller checks they fit): one add a 16-byte load.
@@ -400,7 +407,7 @@ def _int4_packed_gemv_kernel(
     y = tl.sum(tl.sum(acc, axis=2), axis=1)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + m.to(tl.int64) * stride_om + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
+    store_rows(out_ptr + m.to(tl.int64) * stride_om, y, rows, row_ok, tl.program_id(1), N, BLOCK_N, SILU_AND_MUL)
 
 
 def _check(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> None:
@@ -422,15 +429,27 @@ def _is_power_of_two(value: int) -> bool:
     return value > 0 and value & (value - 1) == 0
 
 
+def int4_tile_folds_silu_and_mul(config: GemvConfig | None, n: int) -> bool:
+    """Whether ``int4_gemv(..., silu_and_mul=True)`` runs with tile ``config`` on a gate|up weight
+    of ``n`` rows: the by-groups kernels (packed halves and fp32) with whole gate/up pairs a tile."""
+    return isinstance(config, (PackedGemvConfig, GroupGemvConfig)) and tile_folds_silu_and_mul(config, n)
+
+
 def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-              bias: torch.Tensor | None, config: GemvConfig) -> torch.Tensor:
+              bias: torch.Tensor | None, config: GemvConfig, silu_and_mul: bool = False) -> torch.Tensor:
     """``x [M, K] @ dequant(qweight)^T (+ bias)`` → ``[M, N]`` in x's dtype, for small M; a
     ``GroupGemvConfig`` runs the by-groups kernel, a ``PackedGemvConfig`` its packed-halves twin
-    (CUDA only), a ``TcGemvConfig`` the tensor-core one, a plain ``GemvConfig`` the by-words one."""
+    (CUDA only), a ``TcGemvConfig`` the tensor-core one, a plain ``GemvConfig`` the by-words one.
+    ``silu_and_mul`` (the by-groups kernels, ``int4_tile_folds_silu_and_mul``): the weight is a
+    gated MLP's gate|up (N = 2I) and the result ``silu(gate) * up``, ``[M, I]``: a program takes
+    gate row i next to up row I + i (gemv.py's ``program_rows``), each row's sum computed as
+    without it, rounded as the plain store rounds it, then activated as the activation kernel does."""
     _check(x, qweight, scales, zeros, group_size)
     n, words = qweight.shape
     if config.block_k % PACK:
         raise ValueError(f"block_k {config.block_k} is not a whole number of words")
+    if silu_and_mul and not isinstance(config, (PackedGemvConfig, GroupGemvConfig)):
+        raise ValueError(f"silu_and_mul runs in the by-groups INT4 GEMVs only, not {config}")
     if isinstance(config, TcGemvConfig):
         return _int4_tc_gemv(x if x.stride(1) == 1 else x.contiguous(), qweight, scales, zeros, group_size, bias,
                              config)
@@ -446,32 +465,34 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     if packed and max(qweight.storage_offset() + qweight.shape[0] * qweight.stride(0),
                       scales.storage_offset() + scales.shape[0] * scales.stride(0)) >= 2**31:
         raise ValueError("the packed-halves INT4 GEMV addresses its weights with 32-bit offsets")
-    check_grid_rows(n, config.block_n)
+    n_out, rows_a_program = check_gated(n, config.block_n) if silu_and_mul else (n, config.block_n)
+    check_grid_rows(n_out, rows_a_program)
     if x.stride(1) != 1:
         x = x.contiguous()
     m = x.shape[0]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    grid = (m, triton.cdiv(n, config.block_n))
-    common = (x, qweight, scales, zeros, bias if bias is not None else scales, out, n, words * PACK, x.stride(0),
+    grid = (m, triton.cdiv(n_out, rows_a_program))
+    common = (x, qweight, scales, zeros, bias if bias is not None else scales, out, n_out, words * PACK, x.stride(0),
               qweight.stride(0), scales.stride(0), out.stride(0), FLOAT_2_23_BITS)
-    if packed:
-        groups = config.block_k // group_size
-        if config.num_stages not in (1, 2):
-            raise ValueError(f"the packed-halves INT4 GEMV runs 1 or 2 stages, not {config.num_stages}")
-        _int4_packed_gemv_kernel[grid](
-            *common[:-1], GROUP=group_size, BLOCK_N=config.block_n, GROUPS=groups, PREFETCH=config.num_stages == 2,
-            HAS_BIAS=bias is not None,
-            EVEN=n % config.block_n == 0 and (words * PACK // group_size) % groups == 0, num_warps=config.num_warps,
-        )
-        return out
     if by_groups:
         groups = config.block_k // group_size
-        _int4_group_gemv_kernel[grid](
-            *common, GROUP=group_size, BLOCK_N=config.block_n, GROUPS=groups, HAS_BIAS=bias is not None,
-            EVEN=n % config.block_n == 0 and (words * PACK // group_size) % groups == 0, num_warps=config.num_warps,
-        )
+        # No masks where every tile is full: whole tiles of rows (of gate/up pairs), whole steps of groups.
+        even = n % config.block_n == 0 and (words * PACK // group_size) % groups == 0
+        if packed:
+            if config.num_stages not in (1, 2):
+                raise ValueError(f"the packed-halves INT4 GEMV runs 1 or 2 stages, not {config.num_stages}")
+            _int4_packed_gemv_kernel[grid](
+                *common[:-1], GROUP=group_size, BLOCK_N=config.block_n, GROUPS=groups,
+                PREFETCH=config.num_stages == 2, HAS_BIAS=bias is not None, EVEN=even, SILU_AND_MUL=silu_and_mul,
+                num_warps=config.num_warps,
+            )
+        else:
+            _int4_group_gemv_kernel[grid](
+                *common, GROUP=group_size, BLOCK_N=config.block_n, GROUPS=groups, HAS_BIAS=bias is not None,
+                EVEN=even, SILU_AND_MUL=silu_and_mul, num_warps=config.num_warps,
+            )
         return out
     block_w = config.block_k // PACK
     _int4_gemv_kernel[grid](
@@ -736,4 +757,5 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     return out
 
 
-__all__ = ["GEMM_TILE_ROWS", "INT4_GEMV_CONFIGS", "GroupGemvConfig", "PackedGemvConfig", "TcGemvConfig", "gemm_tiles", "int4_gemm", "int4_gemv"]
+__all__ = ["GEMM_TILE_ROWS", "INT4_GEMV_CONFIGS", "GroupGemvConfig", "PackedGemvConfig", "TcGemvConfig", "gemm_tiles", "int4_gemm",
+           "int4_gemv", "int4_tile_folds_silu_and_mul"]
