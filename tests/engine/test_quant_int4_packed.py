@@ -23,6 +23,7 @@ from tidal_engine.kernels.triton.quant_int4 import (  # noqa: E402
     X_TOP,
     GroupGemvConfig,
     PackedGemvConfig,
+    PairedPackedGemvConfig,
     int4_gemv,
     int4_tile_folds_silu_and_mul,
 )
@@ -36,28 +37,34 @@ _compiled_gpu = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETING
 
 
 def packed_gemv_emulation(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                          group_size: int) -> torch.Tensor:
+                          group_size: int, paired: bool = False) -> torch.Tensor:
     """``_int4_packed_gemv_kernel``'s arithmetic in torch, fp32 ``[M, N]`` (before the output's
     rounding): per group, x scaled by 2^(X_TOP - E) and rounded to fp16; per word and lane
     (inputs 0-3 low, 4-7 high), one fp16 product and three fp16 multiply-adds; the lanes added in
     fp16; the words' sums times scale * 2^(E - X_TOP) in fp32. Each fp16 operation is computed
-    exactly in fp64, then rounded once, as the hardware does."""
+    exactly in fp64, then rounded once, as the hardware does. ``paired`` (``PairedPackedGemvConfig``):
+    x scaled by 2^(X_TOP - 1 - E), and each lane sums the products of two words (word 2j's four
+    steps, then word 2j + 1's) before the lanes are added."""
     m, k = x.shape
     n = qweight.shape[0]
     groups = k // group_size
     xf = x.float().view(m, groups, group_size)
     biased = (xf.abs().amax(-1).view(torch.int32) >> 23) & 0xFF
     biased = biased.clamp(min=EXPONENT_FLOOR.value)
-    down = ((254 + X_TOP.value - biased) << 23).view(torch.float32)
-    up = ((biased - X_TOP.value) << 23).view(torch.float32)
-    xs = (xf * down[..., None]).half().view(m, 1, k // 8, 2, 4).double()  # [m, 1, word, lane, step]
+    x_top = X_TOP.value - int(paired)
+    down = ((254 + x_top - biased) << 23).view(torch.float32)
+    up = ((biased - x_top) << 23).view(torch.float32)
+    per_sum = 2 if paired else 1  # words a lane sum
+    # [m, 1, sum, word of the sum, lane, step]
+    xs = (xf * down[..., None]).half().view(m, 1, k // 8 // per_sum, per_sum, 2, 4).double()
     q = unpack_words(qweight).view(n, groups, group_size).double()
-    d = (q - zeros.double()[..., None]).view(1, n, k // 8, 2, 4)
-    lanes = (d[..., 0] * xs[..., 0]).half()
-    for step in range(1, 4):
-        lanes = (d[..., step] * xs[..., step] + lanes.double()).half()
-    words = (lanes[..., 0].double() + lanes[..., 1].double()).half().float()  # [m, n, word]
-    group_sums = words.view(m, n, groups, group_size // 8).sum(-1)
+    d = (q - zeros.double()[..., None]).view(1, n, k // 8 // per_sum, per_sum, 2, 4)
+    lanes = (d[..., 0, :, 0] * xs[..., 0, :, 0]).half()
+    for word in range(per_sum):
+        for step in range(1 if word == 0 else 0, 4):
+            lanes = (d[..., word, :, step] * xs[..., word, :, step] + lanes.double()).half()
+    sums = (lanes[..., 0].double() + lanes[..., 1].double()).half().float()  # [m, n, sum]
+    group_sums = sums.view(m, n, groups, group_size // 8 // per_sum).sum(-1)
     return (group_sums * (scales.float()[None] * up[:, None, :])).sum(-1)
 
 
@@ -90,20 +97,22 @@ def _activations(m: int, k: int, seed: int, device: str = "cpu") -> torch.Tensor
     return x.to(torch.bfloat16)
 
 
-@pytest.mark.parametrize("fmt,group,symmetric", [("awq", 128, False), ("awq", 64, True), ("gptq", 64, False),
-                                                 ("gptq", 128, True)])
-def test_emulated_packed_arithmetic_is_within_its_bound(fmt: str, group: int, symmetric: bool) -> None:
+@pytest.mark.parametrize("fmt,group,symmetric,paired", [("awq", 128, False, False), ("awq", 64, True, False),
+                                                        ("gptq", 64, False, False), ("gptq", 128, True, False),
+                                                        ("awq", 128, False, True), ("gptq", 64, False, True)])
+def test_emulated_packed_arithmetic_is_within_its_bound(fmt: str, group: int, symmetric: bool, paired: bool) -> None:
     """The emulation is finite with activations up to 3e4 (no fp16 overflow) and within the
-    kernel comment's bound of the exact product: 5 fp16 roundings of 2^-11 of each word's sum of
-    |(q - z) x|, plus fp32 slack; it also agrees with the dequantized bf16 reference."""
+    kernel comment's bound of the exact product: 5 fp16 roundings (9 for two words a sum) of
+    2^-11 of each sum's |(q - z) x|, plus fp32 slack; it also agrees with the dequantized bf16
+    reference."""
     n, k = 48, 512
     weights, exact_w = _weights(fmt, n, k, group, symmetric)
     x = _activations(3, k, seed=1)
-    got = packed_gemv_emulation(x, *weights, group)
+    got = packed_gemv_emulation(x, *weights, group, paired)
     assert torch.isfinite(got).all()
     exact = x.double() @ exact_w.T
     magnitude = x.double().abs() @ exact_w.abs().T  # sum of |w x| per output
-    bound = 5 * 2.0**-11 * magnitude + 1e-5 * magnitude.amax()
+    bound = (9 if paired else 5) * 2.0**-11 * magnitude + 1e-5 * magnitude.amax()
     assert ((got.double() - exact).abs() <= bound).all()
     # Tighter in practice than the worst case: the roundings are independent.
     assert (got.double() - exact).abs().amax() <= 2.0**-9 * magnitude.amax()
@@ -111,16 +120,29 @@ def test_emulated_packed_arithmetic_is_within_its_bound(fmt: str, group: int, sy
     torch.testing.assert_close(got, reference, rtol=2e-2, atol=2e-2 * reference.abs().max().item())
 
 
-def test_emulated_packed_arithmetic_stays_finite_where_unscaled_fp16_would_not() -> None:
+@pytest.mark.parametrize("paired", [False, True])
+def test_emulated_packed_arithmetic_stays_finite_where_unscaled_fp16_would_not(paired: bool) -> None:
     """A whole group at 3e4 (an unscaled fp16 lane of four such products would pass 65504) and
-    at the largest bf16 below fp16's limit: the group's power of two keeps every lane finite."""
+    at the largest bf16 below fp16's limit, with every q - z at its largest, 15 or 16 (the
+    worst case of the overflow bound: a lane of eight products of 16 * 127.x): the group's power
+    of two keeps every lane finite."""
     weights, exact_w = _weights("awq", 16, 256, 128, False)
     x = torch.cat([torch.full((1, 128), 3.0e4), torch.full((1, 128), -6.0e4)], dim=1).to(torch.bfloat16)
-    got = packed_gemv_emulation(x, *weights, 128)
+    got = packed_gemv_emulation(x, *weights, 128, paired)
     exact = x.double() @ exact_w.T
     magnitude = x.double().abs() @ exact_w.abs().T
     assert torch.isfinite(got).all()
-    assert ((got.double() - exact).abs() <= 5 * 2.0**-11 * magnitude).all()
+    assert ((got.double() - exact).abs() <= (9 if paired else 5) * 2.0**-11 * magnitude).all()
+    # The extreme weights: q = 15 against a zero of 0, and q = 0 against GPTQ v1's zero of 16.
+    q_words = torch.full((16, 32), -1, dtype=torch.int32)  # every nibble 15
+    q_words[8:] = 0
+    scales = torch.full((16, 2), 1e-3)
+    zeros = torch.cat([torch.zeros(8, 2), torch.full((8, 2), 16.0)])
+    x = torch.full((1, 256), -6.0e4).to(torch.bfloat16)
+    extreme = packed_gemv_emulation(x, q_words, scales, zeros, 128, paired)
+    exact = (x.double() @ dequantize(q_words, scales.double(), zeros.double(), 128, torch.float64).T)
+    assert torch.isfinite(extreme).all()
+    torch.testing.assert_close(extreme.double(), exact, rtol=(9 if paired else 5) * 2.0**-11, atol=0)
 
 
 def test_emulated_packed_gate_up_then_activation_is_within_the_references_tolerance() -> None:
@@ -164,14 +186,18 @@ def test_packed_candidates_have_their_own_stored_form() -> None:
         assert encode_choice(config) != encode_choice(twin)
         assert decode_choice(encode_choice(config), (twin, config)) == (True, config)
         assert decode_choice(encode_choice(twin), (config,)) == (False, None)
+    # The two-words-a-sum kernel's tiles are not the one-word kernel's.
+    paired = PairedPackedGemvConfig(16, 1024, 4, 2)
+    assert paired in INT4_GEMV_CONFIGS and encode_choice(paired) != encode_choice(PackedGemvConfig(16, 1024, 4, 2))
+    assert decode_choice(encode_choice(paired), (PackedGemvConfig(16, 1024, 4, 2), paired)) == (True, paired)
 
 
 # ---- GPU: compiled, bf16 -----------------------------------------------------------------
 def _check_against_emulation(got: torch.Tensor, x: torch.Tensor, weights: tuple[torch.Tensor, ...], group: int,
-                             bias: torch.Tensor | None = None) -> None:
+                             bias: torch.Tensor | None = None, config: PackedGemvConfig | None = None) -> None:
     """The kernel's fp16 lanes are the emulation's bit for bit; fp32 sums may differ in order
     (far below the output's rounding), and the output is rounded to bf16 (2^-9)."""
-    emulated = packed_gemv_emulation(x, *weights, group)
+    emulated = packed_gemv_emulation(x, *weights, group, isinstance(config, PairedPackedGemvConfig))
     if bias is not None:
         emulated += bias.float()
     torch.testing.assert_close(got.float(), emulated, rtol=2.0**-8, atol=1e-5 * emulated.abs().max().item())
@@ -189,6 +215,7 @@ def test_packed_gemv_matches_emulation_and_reference_gpu(fmt: str, group: int, s
     configs = [c for c in INT4_GEMV_CONFIGS if isinstance(c, PackedGemvConfig)] if group == 128 else \
         [PackedGemvConfig(16, 1024, 4)]
     configs.append(PackedGemvConfig(16, 2 * group, 4))  # masked rows and groups on the small shape
+    configs.append(PairedPackedGemvConfig(16, 2 * group, 4))
     bias = torch.randn(n, device="cuda").to(torch.bfloat16)
     for rows, large in ((1, False), (1, True), (4, True)):
         x = _activations(rows, k, seed=rows, device="cuda") if large else \
@@ -200,17 +227,17 @@ def test_packed_gemv_matches_emulation_and_reference_gpu(fmt: str, group: int, s
                 got = int4_gemv(x, *weights, group, None, config)
             except ValueError:  # the tile does not fit this shape (the choice skips it too)
                 continue
-            _check_against_emulation(got, x, weights, group)
+            _check_against_emulation(got, x, weights, group, config=config)
             torch.testing.assert_close(got.float(), reference, **tol)
         got = int4_gemv(x, *weights, group, bias, configs[-1])
-        _check_against_emulation(got, x, weights, group, bias)
+        _check_against_emulation(got, x, weights, group, bias, configs[-1])
 
 
 @pytest.mark.gpu
 @_compiled_gpu
-def test_packed_gemv_replays_in_a_cuda_graph() -> None:
+@pytest.mark.parametrize("config", [PackedGemvConfig(16, 1024, 4, 2), PairedPackedGemvConfig(16, 1024, 4, 2)])
+def test_packed_gemv_replays_in_a_cuda_graph(config: PackedGemvConfig) -> None:
     weights, _ = _weights("gptq", 4096, 4096, 128, False, device="cuda", dtype=torch.bfloat16)
-    config = next(c for c in INT4_GEMV_CONFIGS if isinstance(c, PackedGemvConfig))
     static = _activations(1, 4096, seed=3, device="cuda")
     int4_gemv(static, *weights, 128, None, config)  # compiled outside the capture
     graph = torch.cuda.CUDAGraph()
@@ -221,7 +248,7 @@ def test_packed_gemv_replays_in_a_cuda_graph() -> None:
         graph.replay()
         torch.cuda.synchronize()
         torch.testing.assert_close(out, int4_gemv(static, *weights, 128, None, config), rtol=0, atol=0)
-        _check_against_emulation(out, static, weights, 128)
+        _check_against_emulation(out, static, weights, 128, config=config)
 
 
 @pytest.mark.gpu

@@ -70,6 +70,15 @@ class PackedGemvConfig(GemvConfig):
 
 
 @dataclass(frozen=True)
+class PairedPackedGemvConfig(PackedGemvConfig):
+    """A tile of the packed-halves GEMV that sums two words' products in each fp16 lane before
+    widening (``_word_pair_dot_f16x2``: about 1.5 instructions a word fewer; activations scaled
+    one power of two lower, and 9 fp16 roundings a sum instead of 5). Stored as its own kernel."""
+
+    kernel: ClassVar[str] = "f16x2w2"
+
+
+@dataclass(frozen=True)
 class TcGemvConfig(GemvConfig):
     """A tile of the tensor-core GEMV: ``block_n`` weight rows × ``block_k`` inputs (within one
     group) a step, the K loop cut into ``split_k`` programs (partial sums added in fp32), the
@@ -88,6 +97,9 @@ INT4_GEMV_CONFIGS: tuple[GemvConfig, ...] = (
     PackedGemvConfig(16, 1024, 4, 2),
     PackedGemvConfig(16, 1024, 4),
     PackedGemvConfig(32, 1024, 4),
+    # Their twins that sum two words a lane in fp16 (not measured yet: h200-2026-12-02-int4b).
+    PairedPackedGemvConfig(16, 1024, 4, 2),
+    PairedPackedGemvConfig(32, 1024, 4),
     # By groups, fp32 word math: where the packed kernel cannot run (before sm_80, groups of 16).
     GroupGemvConfig(16, 2048, 4),
     GroupGemvConfig(16, 1024, 4),
@@ -316,6 +328,58 @@ def _word_dot_f16x2(words, x04, x15, x26, x37, z_low, z_high):
         "=r,r,r,r,r,r,r,r", [words, x04, x15, x26, x37, z_low, z_high], dtype=tl.float32, is_pure=True, pack=1)
 
 
+@triton.jit
+def _word_pair_dot_f16x2(words_a, words_b, xa04, xa15, xa26, xa37, xb04, xb15, xb26, xb37, z_low, z_high):
+    """``_word_dot_f16x2`` of two words of one group (same zero), their eight products a lane
+    summed in fp16 (one multiply, seven multiply-adds) before the lanes are added and widened:
+    per word pair one lane sum and one widening instead of two."""
+    return tl.inline_asm_elementwise(
+        """
+        {
+        .reg .b32 w8, p0, p1, p2, p3, acc, sixteenth;
+        .reg .f16 lo, hi, sum;
+        mov.b32 sixteenth, 0x2C002C00;
+        shr.u32 w8, $1, 8;
+        lop3.b32 p0, $1, 0x000F000F, 0x64006400, 0xEA;
+        lop3.b32 p1, $1, 0x00F000F0, 0x64006400, 0xEA;
+        lop3.b32 p2, w8, 0x000F000F, 0x64006400, 0xEA;
+        lop3.b32 p3, w8, 0x00F000F0, 0x64006400, 0xEA;
+        sub.rn.f16x2 p0, p0, $11;
+        fma.rn.f16x2 p1, p1, sixteenth, $12;
+        sub.rn.f16x2 p2, p2, $11;
+        fma.rn.f16x2 p3, p3, sixteenth, $12;
+        mul.rn.f16x2 acc, p0, $3;
+        fma.rn.f16x2 acc, p1, $4, acc;
+        fma.rn.f16x2 acc, p2, $5, acc;
+        fma.rn.f16x2 acc, p3, $6, acc;
+        shr.u32 w8, $2, 8;
+        lop3.b32 p0, $2, 0x000F000F, 0x64006400, 0xEA;
+        lop3.b32 p1, $2, 0x00F000F0, 0x64006400, 0xEA;
+        lop3.b32 p2, w8, 0x000F000F, 0x64006400, 0xEA;
+        lop3.b32 p3, w8, 0x00F000F0, 0x64006400, 0xEA;
+        sub.rn.f16x2 p0, p0, $11;
+        fma.rn.f16x2 p1, p1, sixteenth, $12;
+        sub.rn.f16x2 p2, p2, $11;
+        fma.rn.f16x2 p3, p3, sixteenth, $12;
+        fma.rn.f16x2 acc, p0, $7, acc;
+        fma.rn.f16x2 acc, p1, $8, acc;
+        fma.rn.f16x2 acc, p2, $9, acc;
+        fma.rn.f16x2 acc, p3, $10, acc;
+        mov.b32 {lo, hi}, acc;
+        add.rn.f16 sum, lo, hi;
+        cvt.f32.f16 $0, sum;
+        }
+        """,
+        "=r,r,r,r,r,r,r,r,r,r,r,r,r", [words_a, words_b, xa04, xa15, xa26, xa37, xb04, xb15, xb26, xb37, z_low, z_high],
+        dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _word_pairs(t, DIM0: tl.constexpr, DIM1: tl.constexpr, GW: tl.constexpr):
+    """``t [DIM0, DIM1, GW]`` → its even and odd words, each ``[DIM0, DIM1, GW // 2]``."""
+    return tl.split(tl.reshape(t, [DIM0, DIM1, GW // 2, 2]))
+
+
 # The by-groups GEMV with the word math in fp16 pairs. The tile and loads are the by-groups
 # kernel's; per step, each group's activations (fp32) are scaled by 2^(X_TOP - E), E the
 # exponent of the group's largest |x| (a power of two: exact), rounded to fp16 and paired as a
@@ -331,7 +395,11 @@ def _word_dot_f16x2(words, x04, x15, x26, x37, z_low, z_high):
 # of that word's at most 8 terms, so at most about 5 * 2^-11 = 2^-8.7 of the word's sum of
 # |(q - z) x| (typically far less: the errors are independent); everything after is fp32. The
 # torch reference rounds each weight (q - z) * s to 16 bits (bf16: within 2^-9 of every term), so
-# the two are of one order; the CPU tests check an emulation of exactly this arithmetic against
+# the two are of one order. With PAIRED (two words a lane sum, _word_pair_dot_f16x2) the
+# activations are scaled one power of two lower, |x'| < 2^X_TOP = 128, so a lane's eight products
+# stay below 8 * 16 * 128 = 16384 and the pair's sum below 32768; the pair's sum takes nine fp16
+# roundings (one product, seven multiply-adds, the lane sum): at most about 9 * 2^-11 = 2^-7.8
+# of the pair's sum of |(q - z) x| (x' exact down to max|x| 2^-31); the CPU tests check an emulation of exactly this arithmetic against
 # that bound with activations up to 3e4, and the GPU tests check the kernel against the emulation.
 @triton.jit
 def _int4_packed_gemv_kernel(
@@ -354,8 +422,10 @@ def _int4_packed_gemv_kernel(
     HAS_BIAS: tl.constexpr,
     EVEN: tl.constexpr,
     SILU_AND_MUL: tl.constexpr,
+    PAIRED: tl.constexpr,
 ):
     GW: tl.constexpr = GROUP // 8  # words of a group
+    XT: tl.constexpr = X_TOP - PAIRED  # |x'| < 2^(XT + 1)
     m = tl.program_id(0)
     rows, row_ok = program_rows(tl.program_id(1), N, BLOCK_N, SILU_AND_MUL)
     g = tl.arange(0, GROUPS)
@@ -384,8 +454,8 @@ def _int4_packed_gemv_kernel(
         # The biased exponent of each group's largest |x| (0 for an all-zero group, floored).
         biased = (tl.max(tl.max(tl.abs(x), axis=2), axis=1).to(tl.int32, bitcast=True) >> 23) & 0xFF
         biased = tl.maximum(biased, EXPONENT_FLOOR)
-        down = ((254 + X_TOP - biased) << 23).to(tl.float32, bitcast=True)  # 2^(X_TOP - E)
-        up = ((biased - X_TOP) << 23).to(tl.float32, bitcast=True)  # 2^(E - X_TOP)
+        down = ((254 + XT - biased) << 23).to(tl.float32, bitcast=True)  # 2^(XT - E)
+        up = ((biased - XT) << 23).to(tl.float32, bitcast=True)  # 2^(E - XT)
         # Input 8j + 4a + 2b + c of the step at [.., j, a, b, c]: split off c, b, then a.
         x_pairs = tl.reshape(x * down[:, None, None], [GROUPS, GW, 2, 2, 2])
         even, odd = tl.split(x_pairs)
@@ -398,9 +468,19 @@ def _int4_packed_gemv_kernel(
         zi = z.to(tl.int32)  # 0..16, exact
         z_low = ((0x6400 + zi) * 0x10001)[:, :, None]  # 1024 + z, twice
         z_high = ((0xD400 + zi * 16) * 0x10001)[:, :, None]  # -(64 + z), twice
-        dots = _word_dot_f16x2(words, _pack_f16x2(x0, x4)[None, :, :], _pack_f16x2(x1, x5)[None, :, :],
-                               _pack_f16x2(x2, x6)[None, :, :], _pack_f16x2(x3, x7)[None, :, :], z_low, z_high)
-        dots = tl.sum(tl.reshape(dots, [BLOCK_N, GROUPS, GW // 4, 4]), axis=3)
+        x04, x15 = _pack_f16x2(x0, x4)[None, :, :], _pack_f16x2(x1, x5)[None, :, :]
+        x26, x37 = _pack_f16x2(x2, x6)[None, :, :], _pack_f16x2(x3, x7)[None, :, :]
+        if PAIRED:  # words 2j and 2j + 1 in one fp16 sum
+            wa, wb = _word_pairs(words, BLOCK_N, GROUPS, GW)
+            xa04, xb04 = _word_pairs(x04, 1, GROUPS, GW)
+            xa15, xb15 = _word_pairs(x15, 1, GROUPS, GW)
+            xa26, xb26 = _word_pairs(x26, 1, GROUPS, GW)
+            xa37, xb37 = _word_pairs(x37, 1, GROUPS, GW)
+            dots = _word_pair_dot_f16x2(wa, wb, xa04, xa15, xa26, xa37, xb04, xb15, xb26, xb37, z_low, z_high)
+            dots = tl.sum(tl.reshape(dots, [BLOCK_N, GROUPS, GW // 4, 2]), axis=3)
+        else:
+            dots = _word_dot_f16x2(words, x04, x15, x26, x37, z_low, z_high)
+            dots = tl.sum(tl.reshape(dots, [BLOCK_N, GROUPS, GW // 4, 4]), axis=3)
         acc += dots * (s * up[None, :])[:, :, None]
         if PREFETCH:
             words, s, z, x = next_loads
@@ -486,7 +566,7 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
             _int4_packed_gemv_kernel[grid](
                 *common[:-1], GROUP=group_size, BLOCK_N=config.block_n, GROUPS=groups,
                 PREFETCH=config.num_stages == 2, HAS_BIAS=bias is not None, EVEN=even, SILU_AND_MUL=silu_and_mul,
-                num_warps=config.num_warps,
+                PAIRED=isinstance(config, PairedPackedGemvConfig), num_warps=config.num_warps,
             )
         else:
             _int4_group_gemv_kernel[grid](
@@ -757,5 +837,6 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     return out
 
 
-__all__ = ["GEMM_TILE_ROWS", "INT4_GEMV_CONFIGS", "GroupGemvConfig", "PackedGemvConfig", "TcGemvConfig", "gemm_tiles", "int4_gemm",
+__all__ = ["GEMM_TILE_ROWS", "INT4_GEMV_CONFIGS", "GroupGemvConfig", "PackedGemvConfig", "PairedPackedGemvConfig",
+           "TcGemvConfig", "gemm_tiles", "int4_gemm",
            "int4_gemv", "int4_tile_folds_silu_and_mul"]
