@@ -329,7 +329,7 @@ def test_choice_times_an_int4_gate_up_as_the_decode_step_runs_it(monkeypatch: py
     import tidal_engine.kernels.triton.activation as activation_kernels
     from tidal_engine.quantization.int4 import Int4LinearMethod as Int4
 
-    folds, plain_only, folds_wrong = GroupGemvConfig(8, 128, 1), GemvConfig(8, 64, 1), GroupGemvConfig(4, 128, 1)
+    folds, plain_only, folds_wrong = GroupGemvConfig(8, 64, 1), GemvConfig(8, 64, 1), GroupGemvConfig(4, 64, 1)
     monkeypatch.setattr(Int4, "gemv_candidates", (folds, plain_only, folds_wrong))
     original = Int4.run_gemv_activated
 
@@ -351,16 +351,16 @@ def test_choice_times_an_int4_gate_up_as_the_decode_step_runs_it(monkeypatch: py
         return {candidate: {None: 10.0, folds: 5.0, plain_only: 4.0, folds_wrong: 1.0}[candidate] for candidate in fns}
 
     monkeypatch.setattr(choice, "time_in_graphs", fake_time)
-    gate_up, _ = _int4_layer("gptq", 32, 128, 64, False)
+    gate_up, _ = _int4_layer("gptq", 16, 64, 32, False)
     gate_up.output_activation_name = "silu_and_mul"
     cache: dict = {}
     choice.choose_gemv(torch.nn.ModuleList([gate_up]), cache, dtype=torch.float32)
     assert set(outputs) == {None, folds, plain_only}  # the wrong folded tile was never timed
-    x = torch.randn(1, 128)
+    x = torch.randn(1, 64)
     for candidate, (out, activated) in outputs.items():
-        assert out.shape[-1] == 16  # every candidate timed with the activation
-        assert activated == ([] if candidate == folds else [32])  # folded: no activation kernel
-    assert cache[(32, 128, "int4g64r1", False)] == plain_only and gate_up.gemv_config == plain_only
+        assert out.shape[-1] == 8  # every candidate timed with the activation
+        assert activated == ([] if candidate == folds else [16])  # folded: no activation kernel
+    assert cache[(16, 64, "int4g32r1", False)] == plain_only and gate_up.gemv_config == plain_only
     torch.testing.assert_close(gate_up(x, output_activation=SiluAndMul()), silu_and_mul(gate_up(x)))
 
 
