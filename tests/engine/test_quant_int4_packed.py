@@ -267,12 +267,12 @@ def _folded_checks(x: torch.Tensor, weights: tuple[torch.Tensor, ...], group: in
     """The packed kernel with SiLU-and-mul against the plain packed kernel followed by the
     activation kernel: each row's sum is computed as without it and rounded to bf16 the same
     way, and the activation is the activation kernel's fp32 arithmetic, so the two are expected
-    to be equal; the tolerance allows one bf16 rounding (2^-8) in case the compiler contracts the
-    epilogue differently. Returns the folded output."""
+    to be equal; the tolerance allows one bf16 unit in the last place (2^-7 relative) in case the
+    compiler contracts the epilogue differently. Returns the folded output."""
     folded = int4_gemv(x, *weights, group, bias, config, silu_and_mul=True)
     plain = silu_and_mul(int4_gemv(x, *weights, group, bias, config))
     assert folded.shape == (x.shape[0], weights[0].shape[0] // 2) and folded.dtype == x.dtype
-    torch.testing.assert_close(folded.float(), plain.float(), rtol=2.0**-8, atol=1e-6 * plain.abs().max().item())
+    torch.testing.assert_close(folded.float(), plain.float(), rtol=2.0**-7, atol=1e-6 * plain.abs().max().item())
     return folded
 
 
@@ -349,7 +349,7 @@ def test_choice_of_an_int4_gate_up_folds_and_replays_in_a_cuda_graph() -> None:
     for rows in (1, 4):
         static = torch.randn(rows, k, device="cuda").to(torch.bfloat16)
         eager = layer(static, output_activation=act)
-        torch.testing.assert_close(eager.float(), act(layer(static)).float(), rtol=2.0**-8,
+        torch.testing.assert_close(eager.float(), act(layer(static)).float(), rtol=2.0**-7,
                                    atol=1e-6 * eager.float().abs().max().item())
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
