@@ -14,8 +14,9 @@ After loading, both are repacked into one layout that the kernels read row by ro
 ``qweight`` ``[out, in/8]`` (8 inputs a word, in order), ``scales`` and ``zeros`` ``[out, in/g]``
 in the run dtype. On CUDA in 16 bits the matmul is Triton (kernels/triton/quant_int4.py): a
 dequantize-in-register GEMM, and for a few rows (decode) a GEMV that reads the words
-directly (its kernel and tile shape chosen per weight shape by measurement, kernels/gemv_choice.py).
-Elsewhere (CPU, fp32) it is the torch reference: dequantize, then multiply.
+directly (its kernel and tile shape chosen per weight shape by measurement, kernels/gemv_choice.py);
+as a gated MLP's gate_up, a by-groups GEMV also applies SiLU-and-mul in its epilogue
+(``folds_activation``). Elsewhere (CPU, fp32) it is the torch reference: dequantize, then multiply.
 """
 
 from __future__ import annotations

@@ -21,7 +21,9 @@
   into a workspace the last of them reads, zeroes and writes out (no memset between calls, so
   it works inside CUDA graphs).
   Input rows are the fastest grid axis of the first three, so the programs of a few rows share
-  the words in L2.
+  the words in L2. The by-groups kernels (both) take ``silu_and_mul`` for a gated MLP's gate|up
+  weight: a program takes gate row i next to up row I + i (gemv.py's ``program_rows``) and
+  writes ``silu(gate) * up`` (``store_rows``), so a decode step runs no activation kernel.
 - ``int4_gemm``: more rows (prefill, decode batches). A ``[BLOCK_N, BLOCK_K/8]`` tile of words
   is loaded once, coalesced; each of its 8 nibbles is dequantized to the activations' dtype in
   registers, the 8 planes are interleaved back into input order (``tl.join``, reshape) and fed
@@ -73,7 +75,9 @@ class PackedGemvConfig(GemvConfig):
 class PairedPackedGemvConfig(PackedGemvConfig):
     """A tile of the packed-halves GEMV that sums two words' products in each fp16 lane before
     widening (``_word_pair_dot_f16x2``: about 1.5 instructions a word fewer; activations scaled
-    one power of two lower, and 9 fp16 roundings a sum instead of 5). Stored as its own kernel."""
+    one power of two lower, and 9 fp16 roundings a sum instead of 5). Stored as its own kernel.
+    Not a start-up candidate: on the H200 it was 2-9% slower than its one-word twin at one row
+    (benchmarks/results/h200-2026-12-02-int4b); int4_micro.py times it."""
 
     kernel: ClassVar[str] = "f16x2w2"
 
@@ -97,9 +101,8 @@ INT4_GEMV_CONFIGS: tuple[GemvConfig, ...] = (
     PackedGemvConfig(16, 1024, 4, 2),
     PackedGemvConfig(16, 1024, 4),
     PackedGemvConfig(32, 1024, 4),
-    # Their twins that sum two words a lane in fp16 (not measured yet: h200-2026-12-02-int4b).
-    PairedPackedGemvConfig(16, 1024, 4, 2),
-    PairedPackedGemvConfig(32, 1024, 4),
+    # Not the two-words-a-sum twins (PairedPackedGemvConfig): the prefetching tile 2-9% slower at one row on every
+    # 8B shape despite fewer instructions, never chosen (h200-2026-12-02-int4b).
     # By groups, fp32 word math: where the packed kernel cannot run (before sm_80, groups of 16).
     GroupGemvConfig(16, 2048, 4),
     GroupGemvConfig(16, 1024, 4),
