@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # INT4 kernels on the H200 (issue 15), one device call: the gpu-marked kernel tests, gpu_bench's
-# quant suite for gptq and awq (one process each), then the one-row micro-timing
+# quant suite for ${QUANTS} (default gptq and awq; one process each), then the one-row micro-timing
 # (benchmarks/int4_micro.py --rows ${MICRO_ROWS}, with the folded gate|up), every step bounded by
 # `timeout`. Results land in $OUT (default ./out).
 set -u
@@ -14,7 +14,7 @@ timeout ${T_TESTS:-120} $PY -m pytest -q -p no:cacheprovider -o addopts= -m gpu 
   tests/engine/test_quant_int4_packed.py tests/engine/test_quantization_kernels.py \
   -k "int4 or packed or choice_sets or split_k" > "$OUT/gpu-tests.txt" 2>&1; echo "rc $?" >> "$OUT/gpu-tests.txt"
 grep -E "passed|failed|FAILED|Error" "$OUT/gpu-tests.txt" | tail -8
-for quant in gptq awq; do
+for quant in ${QUANTS:-gptq awq}; do
   echo "=== $quant $(date +%T)"
   limit=${T_BENCH:-100}; [ $quant = awq ] && limit=${T_BENCH_AWQ:-60}  # awq reuses gptq's stored choices
   timeout $limit $PY benchmarks/gpu_bench.py --shape qwen3-8b --suite quant --quantization $quant \

@@ -193,6 +193,39 @@ def test_packed_candidates_have_their_own_stored_form() -> None:
     assert decode_choice(encode_choice(paired), (PackedGemvConfig(16, 1024, 4, 2), paired)) == (True, paired)
 
 
+SPLIT_CONFIGS = [c for c in INT4_GEMV_CONFIGS if isinstance(c, PackedGemvConfig) and c.split_k > 1]
+
+
+def test_split_packed_candidates_have_their_own_stored_form() -> None:
+    """A split-K packed tile stores its split: it never reads as its unsplit twin or another split."""
+    from tidal_engine.kernels.compile_cache import decode_choice, encode_choice
+
+    assert {c.split_k for c in SPLIT_CONFIGS} == {2, 4}, "split 2 and 4 are start-up candidates"
+    for config in SPLIT_CONFIGS:
+        twin = PackedGemvConfig(config.block_n, config.block_k, config.num_warps, config.num_stages)
+        assert encode_choice(config)["split_k"] == config.split_k and "split_k" not in encode_choice(twin)
+        assert decode_choice(encode_choice(config), (twin, *SPLIT_CONFIGS)) == (True, config)
+        assert decode_choice(encode_choice(twin), tuple(SPLIT_CONFIGS)) == (False, None)
+    assert len({str(encode_choice(c)) for c in INT4_GEMV_CONFIGS}) == len(INT4_GEMV_CONFIGS)
+
+
+@pytest.mark.parametrize("split,rows,k,message", [
+    (2, 17, 4096, "up to 16 rows"),  # more rows than the workspace holds
+    (4, 1, 2048, "do not split"),  # 16 groups: not 4 runs of whole 8-group steps
+    (3, 1, 4096, "do not split"),
+    (0, 1, 4096, "positive integer"),
+])
+def test_split_packed_gemv_refuses_what_it_cannot_split(split: int, rows: int, k: int, message: str) -> None:
+    """Refused with a ValueError (the start-up choice skips the tile for that shape) before the
+    kernel is reached, also on the CPU."""
+    weights, _ = _weights("awq", 16, k, 128, False)
+    with pytest.raises(ValueError, match=message):
+        int4_gemv(torch.randn(rows, k), *weights, 128, None, PackedGemvConfig(16, 1024, 4, 2, split_k=split))
+    with pytest.raises(ValueError, match=message):
+        int4_gemv(torch.randn(rows, k), *weights, 128, None, PackedGemvConfig(16, 1024, 4, 2, split_k=split),
+                  silu_and_mul=True)
+
+
 # ---- GPU: compiled, bf16 -----------------------------------------------------------------
 def _check_against_emulation(got: torch.Tensor, x: torch.Tensor, weights: tuple[torch.Tensor, ...], group: int,
                              bias: torch.Tensor | None = None, config: PackedGemvConfig | None = None) -> None:
@@ -358,3 +391,74 @@ def test_choice_of_an_int4_gate_up_folds_and_replays_in_a_cuda_graph() -> None:
         graph.replay()
         torch.cuda.synchronize()
         torch.testing.assert_close(out, eager, rtol=0, atol=0)
+
+
+def _split_counters_are_zero() -> bool:
+    from tidal_engine.kernels.triton import quant_int4
+
+    return all(not counters.any() for _, counters in quant_int4._packed_split_workspaces.values())
+
+
+@pytest.mark.gpu
+@_compiled_gpu
+@pytest.mark.parametrize("shape", [(6144, 4096), (4096, 12288), (44, 4096)])
+def test_split_packed_gemv_matches_emulation_and_reference_gpu(shape: tuple[int, int]) -> None:
+    """Every split-K candidate at the 8B qkv and down shapes and a small one whose last tile is
+    partly empty (masked rows), at 1 and 4 rows, with and without a bias: against the emulation
+    and the reference, equal to itself when run again (the partial sums are added in a fixed
+    order), and every counter back at zero after each call; folded on the small shape."""
+    n, k = shape
+    weights, _ = _weights("gptq", n, k, 128, False, device="cuda", dtype=torch.bfloat16)
+    deq = dequantize(*weights, 128, torch.bfloat16).float()
+    bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+    for rows in (1, 4):
+        x = _activations(rows, k, seed=rows, device="cuda")
+        reference = torch.nn.functional.linear(x.float(), deq)
+        tol = {"rtol": 2e-2, "atol": 2e-2 * reference.abs().max().item()}
+        for config in SPLIT_CONFIGS:
+            got = int4_gemv(x, *weights, 128, None, config)
+            torch.cuda.synchronize()
+            assert _split_counters_are_zero()
+            _check_against_emulation(got, x, weights, 128, config=config)
+            torch.testing.assert_close(got.float(), reference, **tol)
+            torch.testing.assert_close(int4_gemv(x, *weights, 128, None, config), got, rtol=0, atol=0)
+            unsplit = PackedGemvConfig(config.block_n, config.block_k, config.num_warps, config.num_stages)
+            torch.testing.assert_close(got.float(), int4_gemv(x, *weights, 128, None, unsplit).float(),
+                                       rtol=2.0**-7, atol=1e-5 * reference.abs().max().item())
+            with_bias = int4_gemv(x, *weights, 128, bias, config)
+            _check_against_emulation(with_bias, x, weights, 128, bias, config)
+            if n < 1000:  # a gate|up of 22 pairs: the last tile partly empty
+                _folded_checks(x, weights, 128, config, bias)
+            torch.cuda.synchronize()
+            assert _split_counters_are_zero()
+
+
+@pytest.mark.gpu
+@_compiled_gpu
+def test_split_packed_gemvs_of_one_width_replay_in_a_cuda_graph() -> None:
+    """Several split GEMVs sharing one width's workspace (two weights, splits 2 and 4, plain and
+    folded) captured in one graph: each replay equals eager and leaves the counters at zero."""
+    weights_a, _ = _weights("gptq", 4096, 4096, 128, False, seed=1, device="cuda", dtype=torch.bfloat16)
+    weights_b, _ = _weights("awq", 4096, 4096, 128, False, seed=2, device="cuda", dtype=torch.bfloat16)
+    static = _activations(1, 4096, seed=3, device="cuda")
+
+    def step() -> list[torch.Tensor]:
+        outs = []
+        for config in SPLIT_CONFIGS:
+            outs.append(int4_gemv(static, *weights_a, 128, None, config))
+            outs.append(int4_gemv(static, *weights_b, 128, None, config))
+            outs.append(int4_gemv(static, *weights_a, 128, None, config, silu_and_mul=True))
+        return outs
+
+    step()  # compiled and the workspaces made outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    for seed in (4, 5, 6):
+        static.copy_(_activations(1, 4096, seed=seed, device="cuda") * (seed - 3))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert _split_counters_are_zero()
+        for out, eager in zip(outs, step(), strict=True):
+            torch.testing.assert_close(out, eager, rtol=0, atol=0)
+        _check_against_emulation(outs[0], static, weights_a, 128, config=SPLIT_CONFIGS[0])

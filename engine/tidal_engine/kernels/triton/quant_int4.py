@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from tidal_engine.kernels.triton.gemv import (
+    MAX_GRID_Y,
     GemvConfig,
     check_gated,
     check_grid_rows,
@@ -64,10 +65,13 @@ class GroupGemvConfig(GemvConfig):
 class PackedGemvConfig(GemvConfig):
     """A tile of the packed-halves by-groups GEMV: ``block_n`` rows × ``block_k`` inputs (whole
     groups) a step, as ``GroupGemvConfig``; ``num_stages`` 2 loads the next step while this one
-    computes (registers), 1 does not. ``kernel`` is stored with a choice
-    (compile_cache.encode_choice), so the two kernels' tiles never read as each other."""
+    computes (registers), 1 does not; ``split_k`` programs share a tile's K, each over a
+    contiguous run of whole steps, the last of them adding their fp32 sums in a fixed order
+    (``_int4_packed_gemv_kernel``). ``kernel`` and ``split_k`` are stored with a choice
+    (compile_cache.encode_choice), so the kernels' tiles never read as each other."""
 
     num_stages: int = 1
+    split_k: int = 1
     kernel: ClassVar[str] = "f16x2"
 
 
@@ -101,6 +105,12 @@ INT4_GEMV_CONFIGS: tuple[GemvConfig, ...] = (
     PackedGemvConfig(16, 1024, 4, 2),
     PackedGemvConfig(16, 1024, 4),
     PackedGemvConfig(32, 1024, 4),
+    # Split K (each program a run of whole steps, the last of a tile adding the partial sums):
+    # more programs for the shapes with few rows (4096 rows of 16: 256 programs on 132 SMs).
+    PackedGemvConfig(16, 1024, 4, 2, split_k=2),
+    PackedGemvConfig(16, 1024, 4, 2, split_k=4),
+    PackedGemvConfig(8, 1024, 4, 2, split_k=2),
+    PackedGemvConfig(8, 1024, 4, 2, split_k=4),
     # Not the two-words-a-sum twins (PairedPackedGemvConfig): the prefetching tile 2-9% slower at one row on every
     # 8B shape despite fewer instructions, never chosen (h200-2026-12-02-int4b).
     # By groups, fp32 word math: where the packed kernel cannot run (before sm_80, groups of 16).
@@ -412,8 +422,12 @@ def _int4_packed_gemv_kernel(
     z_ptr,
     b_ptr,
     out_ptr,
+    ws_ptr,
+    cnt_ptr,
     N,
     K,
+    WS_N,
+    ws_part_stride,
     stride_xm,
     stride_qn,
     stride_sn,
@@ -426,11 +440,14 @@ def _int4_packed_gemv_kernel(
     EVEN: tl.constexpr,
     SILU_AND_MUL: tl.constexpr,
     PAIRED: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     GW: tl.constexpr = GROUP // 8  # words of a group
     XT: tl.constexpr = X_TOP - PAIRED  # |x'| < 2^(XT + 1)
     m = tl.program_id(0)
-    rows, row_ok = program_rows(tl.program_id(1), N, BLOCK_N, SILU_AND_MUL)
+    tile = tl.program_id(1) // SPLIT  # a tile's SPLIT programs are neighbours on the grid
+    part = tl.program_id(1) % SPLIT
+    rows, row_ok = program_rows(tile, N, BLOCK_N, SILU_AND_MUL)
     g = tl.arange(0, GROUPS)
     t = tl.arange(0, GW)
     # int32 offsets from the tensors' starts (the caller checks they fit): one add a 16-byte load.
@@ -440,15 +457,19 @@ def _int4_packed_gemv_kernel(
     x_tile = (x_ptr + m.to(tl.int64) * stride_xm + g[:, None, None] * GROUP + t[None, :, None] * 8
               + tl.arange(0, 8)[None, None, :])
     n_groups = K // GROUP
+    # This program's groups: all of them, or with SPLIT > 1 its run of whole steps (the caller
+    # checks SPLIT * GROUPS divides the groups).
+    g_start = part * (n_groups // SPLIT)
+    g_end = g_start + n_groups // SPLIT
     # Word sums are added four at a time in registers (the 4 words a 16-byte load holds).
     acc = tl.zeros([BLOCK_N, GROUPS, GW // 4], tl.float32)
     if PREFETCH:
-        words, s, z, x = _packed_step_loads(q_ptr, s_ptr, z_ptr, q_offs, sz_offs, x_tile, 0, g, row_ok,
+        words, s, z, x = _packed_step_loads(q_ptr, s_ptr, z_ptr, q_offs, sz_offs, x_tile, g_start, g, row_ok,
                                             n_groups, GW, GROUP, EVEN)
-    for g0 in range(0, n_groups, GROUPS):
+    for g0 in range(g_start, g_end, GROUPS):
         if PREFETCH:  # the next step's loads in flight while this one computes (the last wraps to the first)
             g_next = g0 + GROUPS
-            g_next = tl.where(g_next < n_groups, g_next, 0)
+            g_next = tl.where(g_next < g_end, g_next, g_start)
             next_loads = _packed_step_loads(q_ptr, s_ptr, z_ptr, q_offs, sz_offs, x_tile, g_next, g, row_ok,
                                             n_groups, GW, GROUP, EVEN)
         else:
@@ -488,9 +509,29 @@ def _int4_packed_gemv_kernel(
         if PREFETCH:
             words, s, z, x = next_loads
     y = tl.sum(tl.sum(acc, axis=2), axis=1)
-    if HAS_BIAS:
-        y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-    store_rows(out_ptr + m.to(tl.int64) * stride_om, y, rows, row_ok, tl.program_id(1), N, BLOCK_N, SILU_AND_MUL)
+    if SPLIT > 1:
+        # Each program stores its fp32 sums in its own slice of ws ([SPLIT, rows, WS_N], a slice
+        # ``ws_part_stride`` long, WS_N the weight's rows: with SILU_AND_MUL 2N);
+        # the last of a tile's programs (cnt_ptr counts them) reads all SPLIT slices through L2
+        # and adds them in slice order, so the result does not depend on which finished first,
+        # and resets its counter for the next call (and the next CUDA-graph replay).
+        ws_rows = ws_ptr + (m * WS_N + rows).to(tl.int64)
+        tl.store(ws_rows + part.to(tl.int64) * ws_part_stride, y, mask=row_ok)
+        tl.debug_barrier()  # every thread's sums are stored before the count says so
+        counter = cnt_ptr + m * (tl.num_programs(1) // SPLIT) + tile
+        done = tl.atomic_add(counter, 1, sem="acq_rel")
+        if done == SPLIT - 1:
+            y = tl.load(ws_rows, mask=row_ok, other=0.0, cache_modifier=".cg")
+            for i in tl.static_range(1, SPLIT):
+                y += tl.load(ws_rows + i * ws_part_stride, mask=row_ok, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+            store_rows(out_ptr + m.to(tl.int64) * stride_om, y, rows, row_ok, tile, N, BLOCK_N, SILU_AND_MUL)
+            tl.store(counter, 0)
+    else:
+        if HAS_BIAS:
+            y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+        store_rows(out_ptr + m.to(tl.int64) * stride_om, y, rows, row_ok, tile, N, BLOCK_N, SILU_AND_MUL)
 
 
 def _check(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> None:
@@ -510,6 +551,19 @@ def _check(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: 
 
 def _is_power_of_two(value: int) -> bool:
     return value > 0 and value & (value - 1) == 0
+
+
+def _check_packed_split(split: int, m: int, n_groups: int, groups_a_step: int) -> None:
+    """The packed-halves GEMV splits K into ``split`` runs of whole steps, for up to
+    ``TC_GEMV_ROWS`` input rows (its workspace's)."""
+    if not isinstance(split, int) or split < 1:
+        raise ValueError(f"split_k must be a positive integer, not {split!r}")
+    if split == 1:
+        return
+    if m > TC_GEMV_ROWS:
+        raise ValueError(f"the split-K packed INT4 GEMV takes up to {TC_GEMV_ROWS} rows, not {m}")
+    if n_groups % (groups_a_step * split):
+        raise ValueError(f"{n_groups} groups do not split into {split} runs of whole steps of {groups_a_step} groups")
 
 
 def int4_tile_folds_silu_and_mul(config: GemvConfig | None, n: int) -> bool:
@@ -541,6 +595,9 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     if by_groups and (config.block_k % group_size or not _is_power_of_two(group_size)
                       or not _is_power_of_two(config.block_k // group_size)):
         raise ValueError(f"block_k {config.block_k} is not a power-of-two number of groups of {group_size}")
+    split = config.split_k if packed else 1
+    if packed:
+        _check_packed_split(split, x.shape[0], words * PACK // group_size, config.block_k // group_size)
     if packed and not x.is_cuda:
         raise ValueError("the packed-halves INT4 GEMV is inline PTX: CUDA only")
     if packed and group_size < 32:
@@ -556,7 +613,10 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    grid = (m, triton.cdiv(n_out, rows_a_program))
+    grid = (m, triton.cdiv(n_out, rows_a_program) * split)
+    if grid[1] > MAX_GRID_Y:
+        raise ValueError(f"{n_out} output rows need more than {MAX_GRID_Y} programs of {rows_a_program} rows "
+                         f"split {split} ways")
     common = (x, qweight, scales, zeros, bias if bias is not None else scales, out, n_out, words * PACK, x.stride(0),
               qweight.stride(0), scales.stride(0), out.stride(0), FLOAT_2_23_BITS)
     if by_groups:
@@ -566,10 +626,14 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
         if packed:
             if config.num_stages not in (1, 2):
                 raise ValueError(f"the packed-halves INT4 GEMV runs 1 or 2 stages, not {config.num_stages}")
+            # With split > 1 the programs' partial sums and per-tile counters (one set per weight width).
+            partials, counters = _packed_split_workspace(x.device, n, split) if split > 1 else (out, out)
             _int4_packed_gemv_kernel[grid](
-                *common[:-1], GROUP=group_size, BLOCK_N=config.block_n, GROUPS=groups,
+                x, qweight, scales, zeros, bias if bias is not None else scales, out, partials, counters, n_out,
+                words * PACK, n, TC_GEMV_ROWS * n, x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0),
+                GROUP=group_size, BLOCK_N=config.block_n, GROUPS=groups,
                 PREFETCH=config.num_stages == 2, HAS_BIAS=bias is not None, EVEN=even, SILU_AND_MUL=silu_and_mul,
-                PAIRED=isinstance(config, PairedPackedGemvConfig), num_warps=config.num_warps,
+                PAIRED=isinstance(config, PairedPackedGemvConfig), SPLIT=split, num_warps=config.num_warps,
             )
         else:
             _int4_group_gemv_kernel[grid](
@@ -767,6 +831,25 @@ def _split_workspace(device: torch.device, n: int) -> tuple[torch.Tensor, torch.
         _split_workspaces[key] = (torch.zeros(TC_GEMV_ROWS * n, dtype=torch.float32, device=device),
                                   torch.zeros(n, dtype=torch.int32, device=device))
     return _split_workspaces[key]
+
+
+_packed_split_workspaces: dict[tuple[torch.device, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _packed_split_workspace(device: torch.device, n: int, split: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split-K packed GEMV's fp32 partial sums ``[split, TC_GEMV_ROWS, n]`` (written before
+    they are read: never cleared) and its zeroed per-tile counters (``TC_GEMV_ROWS * n``: at least
+    one per input row and tile) on ``device``, one pair per weight width and
+    split, made on the first (eager) call; the kernel resets each counter it finishes. Calls that
+    share them run one after the other on a stream."""
+    key = (device, n, split)
+    if key not in _packed_split_workspaces:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("a split-K packed INT4 GEMV ran first inside a CUDA-graph capture; run it once "
+                               "before (Int4LinearMethod.warm_up does)")
+        _packed_split_workspaces[key] = (torch.empty(split * TC_GEMV_ROWS * n, dtype=torch.float32, device=device),
+                                         torch.zeros(TC_GEMV_ROWS * n, dtype=torch.int32, device=device))
+    return _packed_split_workspaces[key]
 
 
 def _int4_tc_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
