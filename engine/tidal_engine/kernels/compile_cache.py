@@ -87,8 +87,8 @@ def shape_key(n: int, k: int, dtype: Any, bias: bool) -> str:
 
 def encode_choice(choice: Any) -> dict[str, Any] | None:
     """A GemvConfig as JSON (None: cuBLAS); a pipelined one (FP8's) adds its ``num_stages``, a
-    split-K one (INT4's tensor-core GEMV) its ``split_k``, one that names its kernel (INT4's
-    packed-halves GEMV, whose tiles are the by-groups kernel's) that ``kernel``."""
+    split-K one (INT4's tensor-core and packed-halves GEMVs) its ``split_k``, one that names its
+    kernel (INT4's packed-halves GEMV, whose tiles are the by-groups kernel's) that ``kernel``."""
     if choice is None:
         return None
     data: dict[str, Any] = {"block_n": int(choice.block_n), "block_k": int(choice.block_k),
