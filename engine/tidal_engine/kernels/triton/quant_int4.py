@@ -19,7 +19,10 @@
     (one multiply-add each) and its sums scaled once.
   The tensor-core kernel may split K over ``split_k`` programs, which add fp32 partial sums
   into a workspace the last of them reads, zeroes and writes out (no memset between calls, so
-  it works inside CUDA graphs).
+  it works inside CUDA graphs). The packed-halves kernel may too: each of a tile's programs
+  stores its fp32 sums in its own slice, and the last adds the slices in a fixed order (the
+  same result whichever finished first), writes out (SiLU-and-mul folded included) and resets
+  its tile's counter.
   Input rows are the fastest grid axis of the first three, so the programs of a few rows share
   the words in L2. The by-groups kernels (both) take ``silu_and_mul`` for a gated MLP's gate|up
   weight: a program takes gate row i next to up row I + i (gemv.py's ``program_rows``) and
@@ -105,12 +108,11 @@ INT4_GEMV_CONFIGS: tuple[GemvConfig, ...] = (
     PackedGemvConfig(16, 1024, 4, 2),
     PackedGemvConfig(16, 1024, 4),
     PackedGemvConfig(32, 1024, 4),
-    # Split K (each program a run of whole steps, the last of a tile adding the partial sums):
-    # more programs for the shapes with few rows (4096 rows of 16: 256 programs on 132 SMs).
+    # Split K in two (each program half of the steps, the last of a tile adding the two partial
+    # sums): wins one row of 4096 x 12288 (down; 13.5 us against 14.1) and nothing else
+    # (h200-2026-12-02-int4c: 7.3 against 6.5 us on 4096 x 4096, 11.6 against 7.7 on 6144 x 4096).
+    # Not split 4, nor 8-row tiles split or not: slower on every 8B shape.
     PackedGemvConfig(16, 1024, 4, 2, split_k=2),
-    PackedGemvConfig(16, 1024, 4, 2, split_k=4),
-    PackedGemvConfig(8, 1024, 4, 2, split_k=2),
-    PackedGemvConfig(8, 1024, 4, 2, split_k=4),
     # Not the two-words-a-sum twins (PairedPackedGemvConfig): the prefetching tile 2-9% slower at one row on every
     # 8B shape despite fewer instructions, never chosen (h200-2026-12-02-int4b).
     # By groups, fp32 word math: where the packed kernel cannot run (before sm_80, groups of 16).
