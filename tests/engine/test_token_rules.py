@@ -3,7 +3,6 @@ engine on a tiny random model, where they must change what greedy decoding picks
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import numpy as np
 import pytest

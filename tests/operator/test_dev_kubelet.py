@@ -7,7 +7,6 @@ import json
 import os
 import socket
 import sys
-import uuid
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 

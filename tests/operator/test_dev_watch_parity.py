@@ -15,7 +15,6 @@ import threading
 import time
 import urllib.request
 import uuid
-from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import pytest
