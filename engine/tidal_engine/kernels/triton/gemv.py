@@ -51,15 +51,20 @@ def check_grid_rows(n: int, block_n: int) -> None:
 def check_gated(n: int, block_n: int) -> tuple[int, int]:
     """A gate|up weight of ``n`` rows in tiles of ``block_n`` rows: (activations, activations a
     program); a tile holds gate/up pairs."""
-    if n % 2 or block_n < 2 or block_n % 2:
+    if not _holds_gate_up_pairs(n, block_n):
         raise ValueError(f"silu_and_mul needs an even number of weight rows ({n}) and of rows a tile ({block_n})")
     return n // 2, block_n // 2
 
 
+def _holds_gate_up_pairs(n: int, block_n: int) -> bool:
+    """A gate|up weight of ``n`` rows in tiles of ``block_n`` rows: whole gate/up pairs a tile."""
+    return n % 2 == 0 and block_n >= 2 and block_n % 2 == 0
+
+
 def tile_folds_silu_and_mul(config: "GemvConfig | None", n: int) -> bool:
     """Whether a one-row tile can apply SiLU-and-mul in its epilogue to a gate|up weight of
-    ``n`` rows (``check_gated``'s rule: whole gate/up pairs a tile; None, cuBLAS, cannot)."""
-    return config is not None and n % 2 == 0 and config.block_n >= 2 and config.block_n % 2 == 0
+    ``n`` rows (``check_gated``'s rule; None, cuBLAS, cannot)."""
+    return config is not None and _holds_gate_up_pairs(n, config.block_n)
 
 
 @triton.jit
