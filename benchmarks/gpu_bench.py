@@ -42,7 +42,9 @@ dummy, no tokenizer, nothing written to disk but config.json):
 Benchmarks (suite quant: weight quantization, issue 15; --load-format dummy, random weights through
 Tidal's quantizer, nothing on disk but config.json): quant_<format> for each of --quantization
 (default none,fp8; awq/gptq: asymmetric g128 through a config.json that names the format): single_stream
-and throughput_fixed as above, and one_row_kernels (the small-batch kernel choices of layer 0).
+and throughput_fixed as above, one_row_kernels (the small-batch kernel choices of layer 0), and
+decode_gpu (the captured decode step's GPU time and one eager decode forward's top 40 kernels;
+--skip takes decode_gpu and throughput_fixed).
 Benchmarks (suite sampled: the issue-13 offline sampled workloads, t=0.8, top_p=0.95, top_k=50):
   throughput_fixed_sampled   256 requests of 256 -> 128, all submitted at once.
   throughput_long_sampled    256 requests of 32 -> 512, all submitted at once.
@@ -406,9 +408,10 @@ def bench_throughput(llm: Any, shape: str, prompts: list[list[int]], outs: list[
     }
 
 
-def bench_decode_gpu(runner: Any, shape: str) -> dict[str, Any]:
+def bench_decode_gpu(runner: Any, shape: str, top_kernels: int = 12) -> dict[str, Any]:
     """GPU time of one captured decode step (graph replay alone, no host work), at a few
-    batch sizes and contexts, and the top kernels of one eager decode forward."""
+    batch sizes and contexts, and the ``top_kernels`` kernels of one eager decode forward (with the
+    forward's kernel total)."""
     graphs = runner.graphs
     if graphs is None:
         return {"error": "no CUDA graphs"}
@@ -459,9 +462,11 @@ def bench_decode_gpu(runner: Any, shape: str) -> dict[str, Any]:
                     graphs._forward(b)
                     sync()
             rows = []
-            for evt in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:12]:
+            events = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
+            for evt in events[:top_kernels]:
                 rows.append({"kernel": evt.key[:90], "calls": evt.count, "total_us": round(evt.device_time_total, 1)})
             out[f"eager_kernels_b{b}_ctx256"] = rows
+            out[f"eager_kernel_total_us_b{b}_ctx256"] = round(sum(e.device_time_total for e in events), 1)
     except Exception as exc:
         out["profile_error"] = f"{type(exc).__name__}: {exc}"
     return out
@@ -856,6 +861,8 @@ def suite_quant(shape: str, root: Path, results: dict[str, Any], save: Callable[
                 except Exception as exc:  # a report only: never lose the timings to it
                     r["one_row_kernels"] = f"unavailable: {exc!r}"
                 r["single_stream"] = bench_single_stream(llm, shape)
+                if "decode_gpu" not in skip:
+                    r["decode_gpu"] = bench_decode_gpu(llm.engine.runner, shape, top_kernels=40)
                 if "throughput_fixed" not in skip:
                     counter = StepCounter(llm.engine.runner)
                     r["throughput_fixed"] = bench_throughput(llm, shape, rand_prompts(256, [256] * 256, 1, vocab),
