@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
+import triton
+import triton.language as tl
 
 
 def next_power_of_2(n: int) -> int:
@@ -27,3 +32,34 @@ FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfl
 FP8_KV_DTYPE = torch.float8_e4m3fn
 FP8_E4M3_MAX = 448.0
 KV_CACHE_DTYPES: tuple[torch.dtype, ...] = FLOAT_DTYPES + (FP8_KV_DTYPE,)
+
+
+# Programmatic dependent launch (Hopper and later). A decode step is a chain of small kernels;
+# launched this way, a kernel's programs start while the kernel before it finishes, issue what
+# does not depend on it (a GEMV's first weight loads), and wait (griddepcontrol.wait) before
+# reading anything an earlier kernel wrote. Every kernel that takes ``PDL`` calls ``pdl_wait`` in
+# every program before its first dependent read and before any write, so completion stays
+# transitive along the chain. TIDAL_PDL=0 turns it off.
+@functools.lru_cache(maxsize=None)
+def _capability_major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def pdl_launch(device: torch.device) -> bool:
+    """Whether kernels on ``device`` launch with programmatic dependent launch: a CUDA device of
+    compute capability 9 or later, a Triton with grid dependency control, not the interpreter,
+    and TIDAL_PDL not ``0``."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    if os.environ.get("TIDAL_PDL", "1") == "0" or not hasattr(tl.extra.cuda, "gdc_wait"):
+        return False
+    return _capability_major(device.index if device.index is not None else torch.cuda.current_device()) >= 9
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """Let the next kernel's programs launch, then wait until the previous kernel has finished
+    and its writes are visible. A no-op without ``PDL``."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()

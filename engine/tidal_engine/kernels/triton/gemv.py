@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tidal_engine.kernels.triton._common import pdl_launch, pdl_wait
 from tidal_engine.kernels.triton.activation import silu_mul
 
 
@@ -144,11 +145,22 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SILU_AND_MUL: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     rows, row_ok = program_rows(tl.program_id(0), N, BLOCK_N, SILU_AND_MUL)
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    if PDL:  # the first tile's weights load while the kernel before this one finishes
+        k = tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        w = tl.load(w_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        pdl_wait(PDL)
+        x = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+        acc += w * x[None, :]
+        k_begin = BLOCK_K
+    else:
+        k_begin = 0
+    for k0 in range(k_begin, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < K
         x = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
@@ -178,7 +190,9 @@ def _gemv_rows_kernel(
     HAS_BIAS: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_wait(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     ms = tl.arange(0, BLOCK_M)
@@ -214,6 +228,7 @@ def gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     if x.stride(1) != 1:
         x = x.contiguous()
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    pdl = pdl_launch(x.device)
     _gemv_rows_kernel[(triton.cdiv(n, config.block_n),)](
         x,
         weight,
@@ -231,7 +246,9 @@ def gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
         HAS_BIAS=bias is not None,
         NUM_STAGES=GEMV_ROWS_STAGES,
         INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 (tests): no TF32 rounding
+        PDL=pdl,
         num_warps=config.num_warps,
+        launch_pdl=pdl,
     )
     return out
 
@@ -252,6 +269,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, confi
     n_out, rows_a_program = check_gated(n, config.block_n) if silu_and_mul else (n, config.block_n)
     out = torch.empty((1, n_out), dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(n_out, rows_a_program),)
+    pdl = pdl_launch(x.device)
     _gemv_kernel[grid](
         x,
         weight,
@@ -264,7 +282,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, confi
         BLOCK_K=config.block_k,
         HAS_BIAS=bias is not None,
         SILU_AND_MUL=silu_and_mul,
+        PDL=pdl,
         num_warps=config.num_warps,
+        launch_pdl=pdl,
     )
     return out
 

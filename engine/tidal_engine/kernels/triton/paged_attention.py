@@ -68,6 +68,8 @@ from tidal_engine.kernels.triton._common import (
     check_dtype,
     check_same_device,
     next_power_of_2,
+    pdl_launch,
+    pdl_wait,
 )
 
 _LOG2E = 1.4426950408889634
@@ -209,7 +211,9 @@ def _paged_attention_kernel(
     DECODE: tl.constexpr,  # every query length is <= BLOCK_Q: program i is sequence i's (only) tile
     OFFS_I32: tl.constexpr,  # every element offset of the cache fits int32: 32-bit address math
     BT_AHEAD: tl.constexpr,  # load each tile's block ids one iteration ahead
+    PDL: tl.constexpr = False,
 ):
+    pdl_wait(PDL)
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
 
@@ -340,7 +344,9 @@ def _combine_splits_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     HEADS: tl.constexpr,  # heads per program
     SPLITS_PAD: tl.constexpr,  # >= num_splits; fixed (MAX_SPLITS) so it never recompiles
+    PDL: tl.constexpr = False,
 ):
+    pdl_wait(PDL)
     tok = tl.program_id(0)
     if tok >= tl.load(query_start_loc_ptr + num_seqs):
         return  # padding row: left untouched, as in the unsplit kernel
@@ -456,6 +462,7 @@ def combine_splits(
     # (on an H200, 1 warp ran 2-3x faster than 4 at 512 tokens x 2 splits, and as fast at 1
     # token x 32). The interpreter pays per program, not per element: there, all heads.
     heads = 1 if out.device.type == "cuda" else next_power_of_2(num_heads)
+    pdl = pdl_launch(out.device)
     _combine_splits_kernel[(num_tokens, triton.cdiv(num_heads, heads))](
         partial_out,
         partial_lse,
@@ -471,7 +478,9 @@ def combine_splits(
         HEAD_DIM_PAD=head_dim_pad,
         HEADS=heads,
         SPLITS_PAD=MAX_SPLITS,
+        PDL=pdl,
         num_warps=1,
+        launch_pdl=pdl,
     )
     return out
 
@@ -606,6 +615,7 @@ def paged_attention(
     else:
         partial_out = partial_lse = out  # unused by the unsplit kernel
     grid = (num_seqs if decode else num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
+    pdl = pdl_launch(query.device)
     _paged_attention_kernel[grid](
         query,
         kv_cache[0],
@@ -645,6 +655,8 @@ def paged_attention(
         DECODE=decode,
         OFFS_I32=offsets_i32,
         BT_AHEAD=bt_ahead,
+        PDL=pdl,
+        launch_pdl=pdl,
         num_warps=num_warps or (4 if block_m * max(16, next_power_of_2(head_dim)) <= 64 * 128 else 8),
         **({"num_stages": num_stages} if num_stages else {}),
         **({"maxnreg": maxnreg} if maxnreg else {}),

@@ -27,6 +27,8 @@ from tidal_engine.kernels.triton._common import (
     check_dtype,
     check_same_device,
     next_power_of_2,
+    pdl_launch,
+    pdl_wait,
 )
 from tidal_engine.kernels.triton.kv_write import to_cache_value
 
@@ -103,7 +105,9 @@ def _qkv_prologue_kernel(
     BLOCK_SIZE: tl.constexpr,
     HAS_NORM: tl.constexpr,
     FP8: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_wait(PDL)
     # Two programs per token, q's heads and k/v's heads (in parallel: a decode step has a
     # single token); the grid depends on the token count alone, so a CUDA graph captured for
     # T tokens replays for any batch padded to T.
@@ -232,6 +236,7 @@ def qkv_prologue(
     # No per-step scalar reaches the kernel (the token count is the grid alone; strides and
     # eps are fixed per model), so nothing needs do_not_specialize and a captured graph never
     # triggers a recompile.
+    pdl = pdl_launch(qkv.device)
     _qkv_prologue_kernel[(num_tokens, 2)](
         qkv,
         positions,
@@ -261,7 +266,9 @@ def qkv_prologue(
         BLOCK_SIZE=kv_cache.shape[2],
         HAS_NORM=has_norm,
         FP8=kv_cache.dtype == FP8_KV_DTYPE,
+        PDL=pdl,
         num_warps=4,  # as the separate kernels: same tile layouts, so the same reduction order
+        launch_pdl=pdl,
     )
     return q
 

@@ -43,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tidal_engine.kernels.triton._common import pdl_launch, pdl_wait
 from tidal_engine.kernels.triton.gemv import (
     MAX_GRID_Y,
     GemvConfig,
@@ -287,23 +288,36 @@ def _pack_f16x2(lo, hi):
 
 
 @triton.jit
-def _packed_step_loads(q_ptr, s_ptr, z_ptr, q_offs, sz_offs, x_tile, g0, g, row_ok, n_groups, GW: tl.constexpr,
-                       GROUP: tl.constexpr, EVEN: tl.constexpr):
+def _packed_step_weights(q_ptr, s_ptr, z_ptr, q_offs, sz_offs, g0, g, row_ok, n_groups, GW: tl.constexpr,
+                         EVEN: tl.constexpr):
     """A step's words, scales and zeros (fp32) of groups ``g0 + g`` (``q_offs``, ``sz_offs``: int32
-    offsets from the tensors' starts), and their activations (fp32)."""
+    offsets from the tensors' starts)."""
     if EVEN:  # no masks: N and the groups are multiples of the tile
         words = tl.load(q_ptr + (q_offs + g0 * GW))
         s = tl.load(s_ptr + (sz_offs + g0)).to(tl.float32)
         z = tl.load(z_ptr + (sz_offs + g0)).to(tl.float32)
-        x = tl.load(x_tile + g0 * GROUP).to(tl.float32)
     else:
-        g_ok = (g0 + g) < n_groups
-        ok = row_ok[:, None] & g_ok[None, :]
+        ok = row_ok[:, None] & ((g0 + g) < n_groups)[None, :]
         words = tl.load(q_ptr + (q_offs + g0 * GW), mask=ok[:, :, None], other=0)
         s = tl.load(s_ptr + (sz_offs + g0), mask=ok, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + (sz_offs + g0), mask=ok, other=0.0).to(tl.float32)
-        x = tl.load(x_tile + g0 * GROUP, mask=g_ok[:, None, None], other=0.0).to(tl.float32)
-    return words, s, z, x
+    return words, s, z
+
+
+@triton.jit
+def _packed_step_x(x_tile, g0, g, n_groups, GROUP: tl.constexpr, EVEN: tl.constexpr):
+    """A step's activations (fp32) of groups ``g0 + g``."""
+    if EVEN:
+        return tl.load(x_tile + g0 * GROUP).to(tl.float32)
+    return tl.load(x_tile + g0 * GROUP, mask=((g0 + g) < n_groups)[:, None, None], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _packed_step_loads(q_ptr, s_ptr, z_ptr, q_offs, sz_offs, x_tile, g0, g, row_ok, n_groups, GW: tl.constexpr,
+                       GROUP: tl.constexpr, EVEN: tl.constexpr):
+    """A step's words, scales and zeros (``_packed_step_weights``) and activations."""
+    words, s, z = _packed_step_weights(q_ptr, s_ptr, z_ptr, q_offs, sz_offs, g0, g, row_ok, n_groups, GW, EVEN)
+    return words, s, z, _packed_step_x(x_tile, g0, g, n_groups, GROUP, EVEN)
 
 
 @triton.jit
@@ -443,6 +457,7 @@ def _int4_packed_gemv_kernel(
     SILU_AND_MUL: tl.constexpr,
     PAIRED: tl.constexpr,
     SPLIT: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     GW: tl.constexpr = GROUP // 8  # words of a group
     XT: tl.constexpr = X_TOP - PAIRED  # |x'| < 2^(XT + 1)
@@ -465,9 +480,13 @@ def _int4_packed_gemv_kernel(
     g_end = g_start + n_groups // SPLIT
     # Word sums are added four at a time in registers (the 4 words a 16-byte load holds).
     acc = tl.zeros([BLOCK_N, GROUPS, GW // 4], tl.float32)
-    if PREFETCH:
-        words, s, z, x = _packed_step_loads(q_ptr, s_ptr, z_ptr, q_offs, sz_offs, x_tile, g_start, g, row_ok,
-                                            n_groups, GW, GROUP, EVEN)
+    if PREFETCH:  # the first step's weights load while the kernel before this one finishes
+        words, s, z = _packed_step_weights(q_ptr, s_ptr, z_ptr, q_offs, sz_offs, g_start, g, row_ok, n_groups, GW,
+                                           EVEN)
+        pdl_wait(PDL)
+        x = _packed_step_x(x_tile, g_start, g, n_groups, GROUP, EVEN)
+    else:
+        pdl_wait(PDL)
     for g0 in range(g_start, g_end, GROUPS):
         if PREFETCH:  # the next step's loads in flight while this one computes (the last wraps to the first)
             g_next = g0 + GROUPS
@@ -630,12 +649,14 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
                 raise ValueError(f"the packed-halves INT4 GEMV runs 1 or 2 stages, not {config.num_stages}")
             # With split > 1 the programs' partial sums and per-tile counters (one set per weight width).
             partials, counters = _packed_split_workspace(x.device, n, split) if split > 1 else (out, out)
+            pdl = pdl_launch(x.device)
             _int4_packed_gemv_kernel[grid](
                 x, qweight, scales, zeros, bias if bias is not None else scales, out, partials, counters, n_out,
                 words * PACK, n, TC_GEMV_ROWS * n, x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0),
                 GROUP=group_size, BLOCK_N=config.block_n, GROUPS=groups,
                 PREFETCH=config.num_stages == 2, HAS_BIAS=bias is not None, EVEN=even, SILU_AND_MUL=silu_and_mul,
-                PAIRED=isinstance(config, PairedPackedGemvConfig), SPLIT=split, num_warps=config.num_warps,
+                PAIRED=isinstance(config, PairedPackedGemvConfig), SPLIT=split, PDL=pdl,
+                num_warps=config.num_warps, launch_pdl=pdl,
             )
         else:
             _int4_group_gemv_kernel[grid](

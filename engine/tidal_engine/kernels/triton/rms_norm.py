@@ -6,7 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tidal_engine.kernels.triton._common import FLOAT_DTYPES, check_dtype, check_same_device, next_power_of_2
+from tidal_engine.kernels.triton._common import (FLOAT_DTYPES, check_dtype, check_same_device, next_power_of_2, pdl_launch,
+                                                 pdl_wait)
 
 _MAX_HIDDEN = 65536  # one row per program in one tile; wider rows would spill registers
 
@@ -26,10 +27,13 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # no earlier kernel writes it
+    pdl_wait(PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
@@ -39,7 +43,6 @@ def _rms_norm_kernel(
         tl.store(residual_out_ptr + row * stride_ro + cols, s, mask=mask)
         x = s.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     # Normalise in fp32, round to the output dtype, then scale by the weight (HF's order).
     y = (x * inv_rms).to(out_ptr.dtype.element_ty).to(tl.float32) * w
     tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
@@ -71,6 +74,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         r2, r_out = x2, out  # unused by the kernel (HAS_RESIDUAL=False)
     if x2.shape[0] > 0:
         block = next_power_of_2(n)
+        pdl = pdl_launch(x.device)
         _rms_norm_kernel[(x2.shape[0],)](
             x2,
             r2,
@@ -85,7 +89,9 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
             eps,
             HAS_RESIDUAL=residual is not None,
             BLOCK=block,
+            PDL=pdl,
             num_warps=min(16, max(1, block // 256)),
+            launch_pdl=pdl,
         )
     return out.view(x.shape), (r_out.view(x.shape) if residual is not None else None)
 
