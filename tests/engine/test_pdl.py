@@ -4,7 +4,7 @@ On Hopper the decode-step kernels launch so that each one's programs start while
 before it finishes; each waits (griddepcontrol.wait) before it reads what an earlier kernel
 wrote. A kernel that read too early would see the previous replay's values, so the GPU test
 runs one decoder layer's chain of kernels (norm, bf16 GEMV, the q/k/v prologue, split-KV
-attention and its combine, packed INT4 GEMVs plain and split-K, the few-row GEMV), every stage
+attention and its combine, packed INT4 GEMVs plain and split-K, the FP8 GEMV, the few-row GEMV), every stage
 reading the one before, in a CUDA graph with PDL and compares each replay, bit for bit, with the
 same chain run eagerly without PDL (TIDAL_PDL=0)."""
 
@@ -43,6 +43,7 @@ def _layer_chain(x: torch.Tensor, t: dict[str, torch.Tensor]) -> torch.Tensor:
     from tidal_engine.kernels.triton.gemv import GemvConfig, gemv, gemv_rows
     from tidal_engine.kernels.triton.paged_attention import paged_attention
     from tidal_engine.kernels.triton.qkv_prologue import qkv_prologue
+    from tidal_engine.kernels.triton.quant_fp8 import Fp8GemvConfig, fp8_gemv
     from tidal_engine.kernels.triton.quant_int4 import PackedGemvConfig, int4_gemv
     from tidal_engine.kernels.triton.rms_norm import fused_add_rms_norm
 
@@ -54,6 +55,7 @@ def _layer_chain(x: torch.Tensor, t: dict[str, torch.Tensor]) -> torch.Tensor:
                            num_splits=8)
     o = int4_gemv(attn.view(1, 4096), *t["w_o"], 128, None, PackedGemvConfig(16, 1024, 4, 2))
     o = int4_gemv(o + residual, *t["w_o"], 128, None, PackedGemvConfig(16, 1024, 4, 2, split_k=2))
+    o = fp8_gemv(o, *t["w_fp8"], None, Fp8GemvConfig(8, 512, 4, 4))
     return gemv_rows(torch.cat([o, normed]), t["w_qkv"][:4096], None, GemvConfig(16, 256, 4))
 
 
@@ -84,6 +86,8 @@ def test_a_layers_kernels_in_a_cuda_graph_with_pdl_equal_the_chain_without_it(mo
         "seq_lens": torch.tensor([context], device="cuda", dtype=torch.int32),
         "query_start_loc": torch.tensor([0, 1], device="cuda", dtype=torch.int32),
         "w_o": (pack_rows(q4), s4.to(torch.bfloat16), z4.to(torch.bfloat16)),
+        "w_fp8": ((torch.randn(4096, 4096, generator=gen, device="cuda") * 8).to(torch.float8_e4m3fn),
+                  torch.full((4096,), 0.003, device="cuda")),
     }
     static = torch.zeros(1, 4096, **bf16)
     _layer_chain(static, tensors)  # compiled outside the capture

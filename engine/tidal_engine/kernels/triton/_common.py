@@ -35,11 +35,13 @@ KV_CACHE_DTYPES: tuple[torch.dtype, ...] = FLOAT_DTYPES + (FP8_KV_DTYPE,)
 
 
 # Programmatic dependent launch (Hopper and later). A decode step is a chain of small kernels;
-# launched this way, a kernel's programs start while the kernel before it finishes, issue what
-# does not depend on it (a GEMV's first weight loads), and wait (griddepcontrol.wait) before
-# reading anything an earlier kernel wrote. Every kernel that takes ``PDL`` calls ``pdl_wait`` in
-# every program before its first dependent read and before any write, so completion stays
-# transitive along the chain. TIDAL_PDL=0 turns it off.
+# launched this way, a kernel's programs start while the kernel before it finishes, read what
+# does not depend on it, and wait (griddepcontrol.wait) before reading anything an earlier kernel
+# of the forward wrote. Read before the wait: weights, and the step's metadata (positions, slots,
+# sequence lengths, query offsets), which the runner writes before the forward's first kernel, a
+# plain launch (the embedding lookup) that starts only once they are written. Every kernel that
+# takes ``PDL`` calls ``pdl_wait`` in every program before its first write and before it exits,
+# so completion stays transitive along the chain. TIDAL_PDL=0 turns it off.
 @functools.lru_cache(maxsize=None)
 def _capability_major(index: int) -> int:
     return torch.cuda.get_device_capability(index)[0]

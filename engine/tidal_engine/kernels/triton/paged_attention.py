@@ -213,7 +213,6 @@ def _paged_attention_kernel(
     BT_AHEAD: tl.constexpr,  # load each tile's block ids one iteration ahead
     PDL: tl.constexpr = False,
 ):
-    pdl_wait(PDL)
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
 
@@ -238,9 +237,12 @@ def _paged_attention_kernel(
         q_begin = tl.load(query_start_loc_ptr + seq).to(tl.int32)
         q_len = tl.load(query_start_loc_ptr + seq + 1).to(tl.int32) - q_begin
         q_tile_start = (tile - (q_begin // BLOCK_Q + seq)) * BLOCK_Q  # first query of the tile, within seq
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    # The step's metadata above was written before the forward's first kernel: it is read while
+    # the kernel before this one finishes. Everything below waits for it.
+    pdl_wait(PDL)
     if q_tile_start >= q_len:
         return  # spare tile id of this sequence
-    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
     ctx_len = seq_len - q_len  # tokens cached before this step's queries
 
     rows = tl.arange(0, BLOCK_M)
@@ -346,9 +348,10 @@ def _combine_splits_kernel(
     SPLITS_PAD: tl.constexpr,  # >= num_splits; fixed (MAX_SPLITS) so it never recompiles
     PDL: tl.constexpr = False,
 ):
-    pdl_wait(PDL)
     tok = tl.program_id(0)
-    if tok >= tl.load(query_start_loc_ptr + num_seqs):
+    num_real = tl.load(query_start_loc_ptr + num_seqs)  # step metadata: written before the forward
+    pdl_wait(PDL)
+    if tok >= num_real:
         return  # padding row: left untouched, as in the unsplit kernel
 
     s = tl.arange(0, SPLITS_PAD)

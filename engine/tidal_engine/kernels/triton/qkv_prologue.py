@@ -107,17 +107,20 @@ def _qkv_prologue_kernel(
     FP8: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
-    pdl_wait(PDL)
     # Two programs per token, q's heads and k/v's heads (in parallel: a decode step has a
     # single token); the grid depends on the token count alone, so a CUDA graph captured for
     # T tokens replays for any batch padded to T.
     tok = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
+    # The step's positions and slots (written before the forward's first kernel) and the rotary
+    # table are read while the kernel before this one finishes; qkv and the cache wait for it.
     pos = tl.load(positions_ptr + tok).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
     j = tl.arange(0, HALF_PAD)
     cs_row = cos_sin_ptr + pos * stride_cs
     cos = tl.load(cs_row + j, mask=j < HALF, other=0.0).to(tl.float32)[None, :]
     sin = tl.load(cs_row + HALF + j, mask=j < HALF, other=0.0).to(tl.float32)[None, :]
+    pdl_wait(PDL)
     row = qkv_ptr + tok * stride_qkv_t
 
     if part == 0:
@@ -133,7 +136,6 @@ def _qkv_prologue_kernel(
         return
 
     # k and v only matter where they are stored; slot < 0 (padding) stores nothing.
-    slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
     if slot >= 0:
         k1, k2 = _norm_rope_heads(
             row + NUM_HEADS * HEAD_DIM, k_norm_w_ptr, eps, cos, sin,

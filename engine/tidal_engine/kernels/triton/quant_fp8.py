@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tidal_engine.kernels.triton._common import pdl_launch, pdl_wait
 from tidal_engine.kernels.triton.gemv import GemvConfig, check_gated, check_grid_rows, program_rows, store_rows
 
 FP8_MAX = tl.constexpr(448.0)
@@ -45,7 +46,8 @@ class Fp8GemvConfig(GemvConfig):
 # SM, so each must keep several tiles in flight. On the H200 (2026-12-01e) every one-row winner
 # and runner-up within 5% at the 8B shapes is here (4-6 stages beat the earlier 3 by 2-6%); the
 # plain loops, split K and programmatic-dependent-launch variants measured there are not
-# (benchmarks/results/h200-2026-12-01e-fp8w).
+# (benchmarks/results/h200-2026-12-01e-fp8w: PDL then ran on these GEMVs alone, behind kernels
+# launched without it; the whole decode chain launches with it since, kernels/triton/_common.py).
 FP8_GEMV_CONFIGS: tuple[Fp8GemvConfig, ...] = (
     Fp8GemvConfig(8, 512, 4, 3),
     Fp8GemvConfig(8, 512, 4, 4),
@@ -73,7 +75,9 @@ def _fp8_gemv_kernel(
     HAS_BIAS: tl.constexpr,
     STAGES: tl.constexpr,
     SILU_AND_MUL: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_wait(PDL)  # the pipelined loop loads weights and activations together
     m = tl.program_id(0)
     rows, row_ok = program_rows(tl.program_id(1), N, BLOCK_N, SILU_AND_MUL)
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
@@ -113,10 +117,12 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: t
     out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
+    pdl = pdl_launch(x.device)
     _fp8_gemv_kernel[(m, triton.cdiv(n_out, rows_a_program))](
         x, weight, scale, bias if bias is not None else scale, out, n_out, k, x.stride(0), weight.stride(0),
         out.stride(0), BLOCK_N=config.block_n, BLOCK_K=config.block_k, HAS_BIAS=bias is not None,
-        STAGES=getattr(config, "num_stages", 1), SILU_AND_MUL=silu_and_mul, num_warps=config.num_warps,
+        STAGES=getattr(config, "num_stages", 1), SILU_AND_MUL=silu_and_mul, PDL=pdl, num_warps=config.num_warps,
+        launch_pdl=pdl,
     )
     return out
 
