@@ -65,12 +65,3 @@ def pdl_wait(PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-
-
-@triton.jit
-def prefetch_l2(ptrs, mask):
-    """Ask for the cache lines at ``ptrs`` (where ``mask``) to be brought into L2, without waiting
-    for them or holding registers (PTX ``prefetch.global.L2``; CUDA only)."""
-    tl.inline_asm_elementwise("{\n\t.reg .pred p;\n\tsetp.ne.s32 p, $2, 0;\n\t@p prefetch.global.L2 [$1];\n\t"
-                              "mov.b32 $0, 0;\n\t}", "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32,
-                              is_pure=False, pack=1)

@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tidal_engine.kernels.triton._common import pdl_launch, pdl_wait, prefetch_l2
+from tidal_engine.kernels.triton._common import pdl_launch, pdl_wait
 from tidal_engine.kernels.triton.gemv import (
     MAX_GRID_Y,
     GemvConfig,
@@ -321,23 +321,6 @@ def _packed_step_loads(q_ptr, s_ptr, z_ptr, q_offs, sz_offs, x_tile, g0, g, row_
 
 
 @triton.jit
-def _prefetch_run_l2(q_ptr, s_ptr, z_ptr, rows, row_ok, stride_qn, stride_sn, g_start, g_end, GW: tl.constexpr):
-    """L2 prefetches of rows' words, scales and zeros of groups ``[g_start, g_end)``: 128-byte
-    lines, 16 a row at a time."""
-    rows = tl.where(row_ok, rows, 0)
-    run_words = (g_end - g_start) * GW
-    lines = tl.arange(0, 16) * 32  # a line's first word
-    q_run = q_ptr + rows.to(tl.int64)[:, None] * stride_qn + g_start * GW
-    for w0 in range(0, run_words, 16 * 32):
-        prefetch_l2(q_run + (w0 + lines)[None, :], (row_ok[:, None] & ((w0 + lines) < run_words)[None, :]))
-    sz_run = rows.to(tl.int64) * stride_sn + g_start  # a row's run of 16-bit scales (and zeros): a line or two
-    prefetch_l2(s_ptr + sz_run, row_ok)
-    prefetch_l2(s_ptr + sz_run + (g_end - g_start - 1), row_ok)
-    prefetch_l2(z_ptr + sz_run, row_ok)
-    prefetch_l2(z_ptr + sz_run + (g_end - g_start - 1), row_ok)
-
-
-@triton.jit
 def _word_dot_f16x2(words, x04, x15, x26, x37, z_low, z_high):
     """Per int32 word of 8 nibbles (input i in nibble i), in fp32: ``sum_i (q_i - z) x'_i``.
 
@@ -497,8 +480,6 @@ def _int4_packed_gemv_kernel(
     g_end = g_start + n_groups // SPLIT
     # Word sums are added four at a time in registers (the 4 words a 16-byte load holds).
     acc = tl.zeros([BLOCK_N, GROUPS, GW // 4], tl.float32)
-    if PDL:  # the program's whole run of weights heads for L2 while the kernel before this one finishes
-        _prefetch_run_l2(q_ptr, s_ptr, z_ptr, rows, row_ok, stride_qn, stride_sn, g_start, g_end, GW)
     if PREFETCH:  # the first step's weights load while the kernel before this one finishes
         words, s, z = _packed_step_weights(q_ptr, s_ptr, z_ptr, q_offs, sz_offs, g_start, g, row_ok, n_groups, GW,
                                            EVEN)
