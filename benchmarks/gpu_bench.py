@@ -34,7 +34,9 @@ dummy, no tokenizer, nothing written to disk but config.json):
                      gpu_memory_utilization budget holds; and (attention_sweep, --skip takes it)
                      the paged-attention kernel alone on layer 0's cache: the engine's launch,
                      then the launches of ATTENTION_SETTINGS (KV splits, key tiles, warps, stages,
-                     register caps, 64-bit offsets, block ids a tile ahead); and
+                     register caps, 64-bit offsets, block ids a tile ahead, L2 prefetch) and,
+                     over an fp8 cache, of each FP8_DECODE_PRESETS entry (preset_<name>);
+                     --attention-settings picks some; and
                      (attention_sweep_short) the same at issue 13's decode shape, 256
                      sequences x 320 keys. TIDAL_FP8_DECODE (a preset name of
                      paged_attention's FP8_DECODE_PRESETS) forces the fp8 cache's decode launch
@@ -734,15 +736,33 @@ ATTENTION_SETTINGS: dict[str, dict[str, Any]] = {
                                    "bt_ahead": True},
     "bt_ahead_block_n32_s4_r128": {"num_splits": 1, "block_n": 32, "maxnreg": 128, "num_stages": 4,
                                    "bt_ahead": True},
+    # The L2 prefetch (paged_attention's prefetch) four tiles ahead, and two tiles ahead in two
+    # stages (one tile in shared memory, the prefetch reading ahead instead).
+    "bt_ahead_block_n64_s3_r128_pf4": {"num_splits": 1, "block_n": 64, "maxnreg": 128, "num_stages": 3,
+                                       "bt_ahead": True, "prefetch": 4},
+    "bt_ahead_block_n64_r128_pf2": {"num_splits": 1, "block_n": 64, "maxnreg": 128, "num_stages": 2,
+                                    "bt_ahead": True, "prefetch": 2},
 }
+# --attention-settings: the names the sweeps time (empty: all), of ATTENTION_SETTINGS or
+# preset_<name>: over an fp8 cache the sweep also times each of paged_attention's
+# FP8_DECODE_PRESETS at the engine's 64-key tiles and register cap, one split.
+SWEEP_SETTINGS: list[str] = []
+
+
+def fp8_preset_settings() -> dict[str, dict[str, Any]]:
+    from tidal_engine.kernels.triton.paged_attention import FP8_DECODE_PRESETS
+
+    return {f"preset_{name}": {"num_splits": 1, "block_n": 64, "maxnreg": 128, **preset}
+            for name, preset in FP8_DECODE_PRESETS.items()}
 
 
 def sweep_attention(runner: Any, block_tables: torch.Tensor, batch: int, context: int,
                     settings: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """The paged-attention kernel alone at a decode shape (``batch`` sequences of ``context``
     keys through ``block_tables``), over layer 0's cache: first the engine's own launch
-    (``engine_default``: no overrides), then ``settings`` (default ``ATTENTION_SETTINGS``):
-    how far from the read rate one layer's attention is, and what helps."""
+    (``engine_default``: no overrides), then ``settings`` (default ``ATTENTION_SETTINGS`` and,
+    over an fp8 cache, the fp8 decode presets, as --attention-settings filters them): how far
+    from the read rate one layer's attention is, and what helps."""
     from tidal_engine.kernels.triton.paged_attention import paged_attention
 
     attn = runner.model.layers[runner.model.start_layer].self_attn
@@ -754,7 +774,10 @@ def sweep_attention(runner: Any, block_tables: torch.Tensor, batch: int, context
     starts = torch.arange(batch + 1, dtype=torch.int64, device=dev)
     layer_bytes = cache.element_size() * 2 * batch * context * cache.shape[3] * dim
     out: dict[str, Any] = {"batch": batch, "context": context, "kv_bytes_per_layer": layer_bytes}
-    for name, kwargs in {"engine_default": {}, **(settings or ATTENTION_SETTINGS)}.items():
+    if settings is None:
+        every = {**ATTENTION_SETTINGS, **(fp8_preset_settings() if cache.element_size() == 1 else {})}
+        settings = {k: v for k, v in every.items() if not SWEEP_SETTINGS or k in SWEEP_SETTINGS}
+    for name, kwargs in {"engine_default": {}, **settings}.items():
         def call(kwargs: dict[str, Any] = kwargs) -> Any:
             return paged_attention(q, cache, block_tables, seq_lens, starts, dim**-0.5, 1,
                                    k_scale=attn.attn.k_scale, v_scale=attn.attn.v_scale, **kwargs)
@@ -986,6 +1009,8 @@ def main() -> None:
                          "compares them")
     ap.add_argument("--hf-parts", default="eager,static,batch")
     ap.add_argument("--skip", default="", help="comma-separated tidal benchmarks to skip")
+    ap.add_argument("--attention-settings", default="",
+                    help="suite long-decode: comma-separated ATTENTION_SETTINGS names the sweeps time (default all)")
     ap.add_argument("--models", default="/tmp/tidal-bench-models")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -994,6 +1019,10 @@ def main() -> None:
 
         logging.basicConfig(level=os.environ["TIDAL_BENCH_LOG"].upper(), format="%(asctime)s %(name)s: %(message)s")
     SKIP.update(x for x in args.skip.split(",") if x)
+    SWEEP_SETTINGS[:] = [x for x in args.attention_settings.split(",") if x]
+    unknown = {x for x in SWEEP_SETTINGS if x not in ATTENTION_SETTINGS and not x.startswith("preset_")}
+    if unknown:
+        ap.error(f"--attention-settings: unknown {sorted(unknown)}")
     KV_CACHE_DTYPES[:] = [x for x in args.kv_cache_dtype.split(",") if x]
 
     out = Path(args.out)

@@ -100,19 +100,40 @@ def test_paged_attention_fp8_offsets_i64(dtype: torch.dtype, q_lens: list[int], 
      pytest.param("cpu", torch.bfloat16, marks=_cpu, id="cpu-bf16")],
 )
 @pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize("bt_ahead", [False, True])
-def test_paged_attention_fp8_decode_block_ids_ahead(bt_ahead: bool, num_splits: int, device: str,
+@pytest.mark.parametrize(("bt_ahead", "slot_sums"), [(False, False), (True, False), (True, True)],
+                         ids=["rows", "bt", "bt-slot-sums"])
+def test_paged_attention_fp8_decode_block_ids_ahead(bt_ahead: bool, slot_sums: bool, num_splits: int, device: str,
                                                     dtype: torch.dtype) -> None:
-    """The one-query decode over an fp8 cache with its block ids loaded a tile ahead and without
-    (both explicit, whatever choose_fp8_decode would pick); 3 splits leave the first sequence's
-    second and third parts empty."""
+    """The one-query decode over an fp8 cache with its block ids loaded a tile ahead and without,
+    and with the softmax row sums per key slot (all explicit, whatever choose_fp8_decode would
+    pick); 3 splits leave the first sequence's second and third parts empty (rows without keys:
+    their slot sums stay 0)."""
     b = make_batch([1, 1, 1], [5, 17, 40], 8, 2, 32, 16, dtype, device, seed=7)
     cache = fp8_cache(tuple(b.kv_cache.shape), 8, device)
     expected = TorchAttentionBackend().forward(b.query, cache, b.meta, 0.2, K_SCALE, V_SCALE)
     actual = paged_attention(b.query, cache, b.meta.block_tables, b.meta.seq_lens, b.meta.query_start_loc, 0.2, 1,
-                             block_n=16, num_splits=num_splits, k_scale=K_SCALE, v_scale=V_SCALE, bt_ahead=bt_ahead)
+                             block_n=16, num_splits=num_splits, k_scale=K_SCALE, v_scale=V_SCALE, bt_ahead=bt_ahead,
+                             slot_sums=slot_sums)
     assert actual.dtype == dtype
     assert_close(actual, expected, dtype)
+
+
+@_cpu
+def test_paged_attention_slot_sums_mixed_batch() -> None:
+    """Row sums per key slot outside the decode launch: prefill rows with their causal masks
+    (rows that see only part of a tile) and decodes, over an fp32 cache, split in 3."""
+    b = make_batch([1, 19, 1], [33, 37, 16], 8, 2, 32, 16, torch.float32, "cpu", seed=7)
+    expected = TorchAttentionBackend().forward(b.query, b.kv_cache, b.meta, 0.2)
+    actual = paged_attention(b.query, b.kv_cache, b.meta.block_tables, b.meta.seq_lens, b.meta.query_start_loc, 0.2,
+                             b.meta.max_query_len, block_n=16, num_splits=3, slot_sums=True)
+    assert_close(actual, expected, torch.float32)
+
+
+def test_prefetch_takes_whole_tiles() -> None:
+    b = make_batch([1], [5], 4, 2, 32, 16, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="prefetch"):
+        paged_attention(b.query, b.kv_cache, b.meta.block_tables, b.meta.seq_lens, b.meta.query_start_loc, 1.0, 1,
+                        prefetch=-1)
 
 
 def test_choose_fp8_decode(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -136,7 +157,9 @@ def test_choose_fp8_decode(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_fp8_decode_preset_from_environment(preset: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """TIDAL_FP8_DECODE forces the fp8 one-query decode's launch at the default tiles (64 keys
     over contexts of 9 and 70: one partial tile, then two); an unknown name is refused, where
-    an explicit block_n or a float cache never reads it."""
+    an explicit block_n or a float cache never reads it. (The L2 prefetch of the "_pf" presets
+    is inline PTX, left out on the CPU: there they run as the preset without it; the gpu cases
+    below run it.)"""
     monkeypatch.setenv("TIDAL_FP8_DECODE", preset)
     b = make_batch([1, 1], [9, 70], 8, 2, 16, 16, torch.float32, "cpu", seed=11)
     cache = fp8_cache(tuple(b.kv_cache.shape), 12, "cpu")

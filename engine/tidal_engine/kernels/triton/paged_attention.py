@@ -97,9 +97,19 @@ _DECODE_MAXNREG = 128
 # At 256 x 320 (four waves of programs, 5 tiles each) that run cannot rank them (the rows launch
 # itself read 95 and 158 us as two settings; rows_bt 122): there, and for split launches (short
 # walks), the rows launch stays until measured.
+# Candidates on top of rows_bt, named by suffix: "_v" widens V with inline PTX (_widen_e4m3_ptx),
+# "_ss" keeps the softmax row sums per key slot (one reduction across warps a tile instead of
+# two), "_pf<n>" has each iteration ask L2 for the K/V rows n tiles ahead (shared memory holds
+# two 64-key tiles; the prefetch starts the HBM reads of later ones).
+_FP8_DECODE_CANDIDATES: dict[str, dict[str, object]] = {
+    "_v": {"v_ptx": True}, "_ss": {"slot_sums": True}, "_pf2": {"prefetch": 2}, "_pf3": {"prefetch": 3},
+    "_v_pf2": {"v_ptx": True, "prefetch": 2}, "_v_pf3": {"v_ptx": True, "prefetch": 3},
+    "_v_ss": {"v_ptx": True, "slot_sums": True}, "_v_pf2_ss": {"v_ptx": True, "prefetch": 2, "slot_sums": True},
+}
 FP8_DECODE_PRESETS: dict[str, dict[str, object]] = {
     "rows": {},
     "rows_bt": {"bt_ahead": True, "num_stages": 3},
+    **{f"rows_bt{tag}": {"bt_ahead": True, "num_stages": 3, **extra} for tag, extra in _FP8_DECODE_CANDIDATES.items()},
 }
 # Programs per SM of the decode launch (_DECODE_MAXNREG): "rows_bt" while one wave holds them all.
 _DECODE_PROGRAMS_PER_SM = 4
@@ -143,10 +153,34 @@ def _slot_offsets(block_id, k_pos, stride_cb, stride_cs, kv_head_off, BLOCK_SIZE
 
 
 @triton.jit
+def _prefetch_l2(ptrs, valid):
+    """Ask L2 for the cache line (128 bytes) holding each valid address: a hint with no
+    destination register, so nothing waits for it. (sm_90's bulk prefetch takes uniform operands:
+    per-lane addresses become a 32-pass loop there.)"""
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+        "=r,l,r", [ptrs, valid.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _widen_e4m3_ptx(x):
+    """e4m3 -> fp16, four at a time with sm_89+'s paired conversion (the instruction Triton's own
+    cast uses), as inline PTX: Triton keeps it where it is written, before V's staging for the
+    dot, with no pinning product, and the loop around it came out 620 -> 468 SASS instructions a
+    64-key tile (sm_90, Triton 3.6: fewer register moves)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+        "=r,=r,r", [x], dtype=tl.float16, is_pure=False, pack=4)
+
+
+@triton.jit
 def _attend_tile(q, k_t, v, k_pos, kv_stop, row_pos, m_i, l_i, acc, scale_log2, DOT_PRECISION: tl.constexpr,
-                 KV_FP8: tl.constexpr):
+                 KV_FP8: tl.constexpr, SLOT_SUMS: tl.constexpr = False, V_PTX: tl.constexpr = False):
     """One key tile of the online softmax: ``k_t [D, BLOCK_N]`` and ``v [BLOCK_N, D]`` (cache dtype)
-    at positions ``k_pos``; keys at or past ``kv_stop`` or after a row's position are masked."""
+    at positions ``k_pos``; keys at or past ``kv_stop`` or after a row's position are masked.
+    ``SLOT_SUMS``: ``l_i`` is ``[BLOCK_M, BLOCK_N]``, each row's sum per key slot
+    (summed once after the loop), so a tile adds no reduction across warps for it. ``V_PTX``
+    (fp8 cache, fp16 dots): V is widened by ``_widen_e4m3_ptx``."""
     k_valid = k_pos < kv_stop
     if KV_FP8:
         k_t = k_t.to(q.dtype)
@@ -157,14 +191,20 @@ def _attend_tile(q, k_t, v, k_pos, kv_stop, row_pos, m_i, l_i, acc, scale_log2, 
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if SLOT_SUMS:
+        l_i = l_i * alpha[:, None] + p
+    else:
+        l_i = l_i * alpha + tl.sum(p, axis=1)
     if KV_FP8:
         # Widened before V is staged in shared memory for the dot: the product with a per-key
         # tensor (0 for keys past the end, whose loads are 0 anyway) keeps Triton from moving
         # the widening after the staging, where the dot would gather V's key-strided bytes
         # with one shared load per byte (sm_90 SASS: 128 LDS.U8 per thread and 128-key tile);
         # staged as 16-bit, V is read by transposing ldmatrix, as a bf16 cache is.
-        v = v.to(q.dtype) * k_valid[:, None].to(q.dtype)
+        if V_PTX:
+            v = _widen_e4m3_ptx(v)
+        else:
+            v = v.to(q.dtype) * k_valid[:, None].to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
@@ -211,6 +251,9 @@ def _paged_attention_kernel(
     DECODE: tl.constexpr,  # every query length is <= BLOCK_Q: program i is sequence i's (only) tile
     OFFS_I32: tl.constexpr,  # every element offset of the cache fits int32: 32-bit address math
     BT_AHEAD: tl.constexpr,  # load each tile's block ids one iteration ahead
+    SLOT_SUMS: tl.constexpr,  # softmax row sums per key slot, reduced once after the loop
+    V_PTX: tl.constexpr,  # FP8_DOT_F16: widen V tiles with inline PTX (_widen_e4m3_ptx)
+    PREFETCH: tl.constexpr,  # > 0: each iteration asks L2 for the K/V rows of the tile that many tiles ahead
     PDL: tl.constexpr = False,
 ):
     tile = tl.program_id(0)
@@ -284,7 +327,10 @@ def _paged_attention_kernel(
     # A finite floor keeps alpha = exp2(m_old - m_new) at 1, not NaN, while a row has seen
     # only masked keys.
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+    if SLOT_SUMS:
+        l_i = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    else:
+        l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
 
     offs_n = tl.arange(0, BLOCK_N)
@@ -295,9 +341,23 @@ def _paged_attention_kernel(
         kv_head_off = kv_head.to(tl.int64) * stride_ch
     if BT_AHEAD:
         block_next = _block_ids(bt_row, kv_start + offs_n, kv_start + offs_n < kv_stop, BLOCK_SIZE, OFFS_I32)
+    if PREFETCH > 0:
+        # One lane a key's head vector (the line it starts in: all of it for an fp8 cache's rows
+        # of up to 128 bytes), K's rows, then V's. Their block ids are loaded an iteration
+        # before the prefetch that uses them, so it never waits on the block table.
+        pf_lane = tl.arange(0, 2 * BLOCK_N)
+        pf_key = pf_lane % BLOCK_N
+        pf_is_v = pf_lane >= BLOCK_N
+        pf_pos = kv_start + PREFETCH * BLOCK_N + pf_key
+        pf_ids = _block_ids(bt_row, pf_pos, pf_pos < kv_stop, BLOCK_SIZE, OFFS_I32)
     for start_n in range(kv_start, kv_stop, BLOCK_N):
         k_pos = start_n + offs_n
         k_valid = k_pos < kv_stop
+        if PREFETCH > 0:
+            pf_pos = start_n + PREFETCH * BLOCK_N + pf_key
+            pf_off = _slot_offsets(pf_ids, pf_pos, stride_cb, stride_cs, kv_head_off, BLOCK_SIZE, OFFS_I32)
+            _prefetch_l2(tl.where(pf_is_v, v_cache_ptr + pf_off, k_cache_ptr + pf_off), pf_pos < kv_stop)
+            pf_ids = _block_ids(bt_row, pf_pos + BLOCK_N, pf_pos + BLOCK_N < kv_stop, BLOCK_SIZE, OFFS_I32)
         # Per-key gather through the block table: any block size works with any BLOCK_N.
         if BT_AHEAD:
             # The ids were loaded an iteration earlier: the gather never waits on a block-table
@@ -314,7 +374,9 @@ def _paged_attention_kernel(
             v_cache_ptr + slot_off[:, None] + d[None, :], mask=k_valid[:, None] & d_valid[None, :], other=0.0
         )  # [BLOCK_N, D]
         m_i, l_i, acc = _attend_tile(q, k_t, v, k_pos, kv_stop, row_pos, m_i, l_i, acc, scale_log2,
-                                     DOT_PRECISION, KV_FP8)
+                                     DOT_PRECISION, KV_FP8, SLOT_SUMS, V_PTX)
+    if SLOT_SUMS:
+        l_i = tl.sum(l_i, axis=1)
 
     seen = l_i > 0.0  # False only for rows that saw no key (possible only in a split)
     acc = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -507,6 +569,9 @@ def paged_attention(
     offsets_i32: bool | None = None,
     maxnreg: int | None = None,
     bt_ahead: bool | None = None,
+    slot_sums: bool | None = None,
+    prefetch: int | None = None,
+    v_ptx: bool | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of ``query [T, H, D]`` over ``kv_cache [2, blocks, block_size, Hkv, D]``.
 
@@ -527,7 +592,11 @@ def paged_attention(
     ``maxnreg`` caps the registers per thread (more programs per SM; tuning sweeps).
     ``bt_ahead`` loads each key tile's block ids one iteration ahead (None: False, except for an
     fp8 one-query decode at the default tiles, which takes it and its stages from
-    ``choose_fp8_decode``).
+    ``choose_fp8_decode``). ``slot_sums`` keeps the softmax row sums per key slot (summed once at
+    the end); ``prefetch`` (tiles, 0 = off) has each key iteration ask L2 for the K/V rows that many
+    tiles ahead; ``v_ptx`` widens an fp8 cache's V tiles by inline PTX (fp16 dots). None: from the
+    same preset. The last two are CUDA only (the interpreter runs no inline PTX; it takes the
+    same launch without them).
     """
     if query.dim() != 3:
         raise ValueError(f"query must be [num_tokens, num_heads, head_dim], got shape {tuple(query.shape)}")
@@ -592,7 +661,18 @@ def paged_attention(
         preset = FP8_DECODE_PRESETS[choose_fp8_decode(num_seqs, num_kv_heads, num_splits, _num_sms(query.device))]
         bt_ahead = bool(preset.get("bt_ahead"))
         num_stages = num_stages or preset.get("num_stages")  # type: ignore[assignment]
+        slot_sums = preset.get("slot_sums", False) if slot_sums is None else slot_sums  # type: ignore[assignment]
+        prefetch = preset.get("prefetch", 0) if prefetch is None else prefetch  # type: ignore[assignment]
+        v_ptx = preset.get("v_ptx", False) if v_ptx is None else v_ptx  # type: ignore[assignment]
     bt_ahead = bool(bt_ahead)
+    slot_sums = bool(slot_sums)
+    prefetch = int(prefetch or 0)
+    if prefetch < 0:
+        raise ValueError(f"prefetch must be >= 0 tiles, got {prefetch}")
+    fp8_dot_f16 = kv_fp8 and query.dtype != torch.float32
+    v_ptx = bool(v_ptx) and fp8_dot_f16
+    if query.device.type != "cuda":
+        prefetch, v_ptx = 0, False  # inline PTX: the interpreter takes the launch without it
     if one_query_decode and (num_splits == 1 or kv_fp8):
         # A large decode batch (or any over an fp8 cache): 64-key tiles in two stages, capped at
         # 4 programs per SM (see _DECODE_MAXNREG); an explicit block_n keeps its own registers.
@@ -654,10 +734,13 @@ def paged_attention(
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         SPLIT=split,
         KV_FP8=kv_fp8,
-        FP8_DOT_F16=kv_fp8 and query.dtype != torch.float32,
+        FP8_DOT_F16=fp8_dot_f16,
         DECODE=decode,
         OFFS_I32=offsets_i32,
         BT_AHEAD=bt_ahead,
+        SLOT_SUMS=slot_sums,
+        V_PTX=v_ptx,
+        PREFETCH=prefetch,
         PDL=pdl,
         launch_pdl=pdl,
         num_warps=num_warps or (4 if block_m * max(16, next_power_of_2(head_dim)) <= 64 * 128 else 8),
