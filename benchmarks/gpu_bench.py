@@ -34,7 +34,7 @@ dummy, no tokenizer, nothing written to disk but config.json):
                      gpu_memory_utilization budget holds; and (attention_sweep, --skip takes it)
                      the paged-attention kernel alone on layer 0's cache: the engine's launch,
                      then the launches of ATTENTION_SETTINGS (KV splits, key tiles, warps, stages,
-                     register caps, 64-bit offsets, block ids a tile ahead, L2 prefetch) and,
+                     register caps, 64-bit offsets, block ids a tile ahead) and,
                      over an fp8 cache, of each FP8_DECODE_PRESETS entry (preset_<name>);
                      --attention-settings picks some; and
                      (attention_sweep_short) the same at issue 13's decode shape, 256
@@ -736,16 +736,12 @@ ATTENTION_SETTINGS: dict[str, dict[str, Any]] = {
                                    "bt_ahead": True},
     "bt_ahead_block_n32_s4_r128": {"num_splits": 1, "block_n": 32, "maxnreg": 128, "num_stages": 4,
                                    "bt_ahead": True},
-    # The L2 prefetch (paged_attention's prefetch) four tiles ahead, and two tiles ahead in two
-    # stages (one tile in shared memory, the prefetch reading ahead instead).
-    "bt_ahead_block_n64_s3_r128_pf4": {"num_splits": 1, "block_n": 64, "maxnreg": 128, "num_stages": 3,
-                                       "bt_ahead": True, "prefetch": 4},
-    "bt_ahead_block_n64_r128_pf2": {"num_splits": 1, "block_n": 64, "maxnreg": 128, "num_stages": 2,
-                                    "bt_ahead": True, "prefetch": 2},
 }
 # --attention-settings: the names the sweeps time (empty: all), of ATTENTION_SETTINGS or
 # preset_<name>: over an fp8 cache the sweep also times each of paged_attention's
 # FP8_DECODE_PRESETS at the engine's 64-key tiles and register cap, one split.
+# (h200-2026-12-02-kvfp8u also timed an L2 prefetch of the K/V rows 2-4 tiles ahead, since
+# removed: at most 2% of the kernel, nothing in the step.)
 SWEEP_SETTINGS: list[str] = []
 
 
@@ -805,7 +801,7 @@ def suite_long_decode(shape: str, root: Path, results: dict[str, Any], save: Cal
     opts = dict(load_format="dummy", skip_tokenizer_init=True, max_model_len=context + 128, max_num_seqs=batch,
                 cuda_graph_sizes=[batch], mixed_cuda_graphs=False, max_num_batched_tokens=2048)
     # The fp8 one-query decode preset forced by paged_attention's TIDAL_FP8_DECODE (None: its
-    # choose_fp8_decode picks; "rows_bt" at this batch).
+    # choose_fp8_decode picks; "rows_bt_v_ss" at this batch).
     results["long_decode_options"] = {**opts, "TIDAL_FP8_DECODE": os.environ.get("TIDAL_FP8_DECODE")}
     for kv in KV_CACHE_DTYPES:
         def run(kv: str = kv) -> dict[str, Any]:
@@ -1010,7 +1006,8 @@ def main() -> None:
     ap.add_argument("--hf-parts", default="eager,static,batch")
     ap.add_argument("--skip", default="", help="comma-separated tidal benchmarks to skip")
     ap.add_argument("--attention-settings", default="",
-                    help="suite long-decode: comma-separated ATTENTION_SETTINGS names the sweeps time (default all)")
+                    help="suite long-decode: comma-separated names (of ATTENTION_SETTINGS, or preset_<name> of "
+                         "FP8_DECODE_PRESETS) the sweeps time (default all)")
     ap.add_argument("--models", default="/tmp/tidal-bench-models")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()

@@ -129,24 +129,18 @@ def test_paged_attention_slot_sums_mixed_batch() -> None:
     assert_close(actual, expected, torch.float32)
 
 
-def test_prefetch_takes_whole_tiles() -> None:
-    b = make_batch([1], [5], 4, 2, 32, 16, torch.float32, "cpu")
-    with pytest.raises(ValueError, match="prefetch"):
-        paged_attention(b.query, b.kv_cache, b.meta.block_tables, b.meta.seq_lens, b.meta.query_start_loc, 1.0, 1,
-                        prefetch=-1)
-
-
 def test_choose_fp8_decode(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Unset: block ids ahead (rows_bt) for an unsplit launch of one wave (4 programs per SM),
-    the plain rows launch for splits or more waves; set, the named preset."""
+    """Unset: block ids ahead, V widened by PTX and row sums per key slot (rows_bt_v_ss) for an
+    unsplit launch of one wave (4 programs per SM), the plain rows launch for splits or more
+    waves; set, the named preset."""
     monkeypatch.delenv("TIDAL_FP8_DECODE", raising=False)
-    assert choose_fp8_decode(64, 8, 1, 132) == "rows_bt"  # 512 programs <= 528
-    assert choose_fp8_decode(66, 8, 1, 132) == "rows_bt"
+    assert choose_fp8_decode(64, 8, 1, 132) == "rows_bt_v_ss"  # 512 programs <= 528
+    assert choose_fp8_decode(66, 8, 1, 132) == "rows_bt_v_ss"
     assert choose_fp8_decode(67, 8, 1, 132) == "rows"
     assert choose_fp8_decode(256, 8, 1, 132) == "rows"
     assert choose_fp8_decode(1, 8, 32, 132) == "rows"
-    monkeypatch.setenv("TIDAL_FP8_DECODE", "rows")
-    assert choose_fp8_decode(64, 8, 1, 132) == "rows"
+    monkeypatch.setenv("TIDAL_FP8_DECODE", "rows_bt")
+    assert choose_fp8_decode(64, 8, 1, 132) == "rows_bt"
     monkeypatch.setenv("TIDAL_FP8_DECODE", "nope")
     with pytest.raises(ValueError, match="TIDAL_FP8_DECODE"):
         choose_fp8_decode(64, 8, 1, 132)
@@ -157,8 +151,8 @@ def test_choose_fp8_decode(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_fp8_decode_preset_from_environment(preset: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """TIDAL_FP8_DECODE forces the fp8 one-query decode's launch at the default tiles (64 keys
     over contexts of 9 and 70: one partial tile, then two); an unknown name is refused, where
-    an explicit block_n or a float cache never reads it. (The L2 prefetch of the "_pf" presets
-    is inline PTX, left out on the CPU: there they run as the preset without it; the gpu cases
+    an explicit block_n or a float cache never reads it. (V's widening by inline PTX, v_ptx, is
+    left out in the interpreter: there rows_bt_v_ss runs with its slot sums only; the gpu cases
     below run it.)"""
     monkeypatch.setenv("TIDAL_FP8_DECODE", preset)
     b = make_batch([1, 1], [9, 70], 8, 2, 16, 16, torch.float32, "cpu", seed=11)

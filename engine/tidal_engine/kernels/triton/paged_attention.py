@@ -50,7 +50,8 @@ widens to fp16 in one instruction per pair, exactly, while bf16 takes a second c
 per element at a quarter of the ALU rate, which bounded the loop (an H200 read an fp8 cache at
 1.95 TB/s that way, against 4.27 for a bf16 one). An fp32 query widens to fp32. A one-query decode
 over an fp8 cache may load each key tile's block ids an iteration ahead (``bt_ahead``, with three
-stages: two K/V tiles in flight per program); ``choose_fp8_decode`` picks (``FP8_DECODE_PRESETS``).
+stages: two K/V tiles in flight per program), widen V by inline PTX (``v_ptx``) and keep the
+softmax row sums per key slot (``slot_sums``); ``choose_fp8_decode`` picks (``FP8_DECODE_PRESETS``).
 """
 
 from __future__ import annotations
@@ -91,40 +92,37 @@ _DECODE_MAXNREG = 128
 # Launch presets of the fp8 one-query decode, by name. "rows": two stages (one K/V tile in flight,
 # its copy issued after the previous tile's math and behind a block-table load of the same
 # iteration); "rows_bt": each tile's block ids loaded an iteration ahead and three stages, so
-# two tiles are in flight. H200, Qwen3-8B shape (benchmarks/results/h200-2026-12-01g-kvfp8): one
-# layer at 64 x 8k 432 against 399 us, the captured 64 x 8k step 20.50 against 18.86 ms. (A
-# keys-major kernel, S^T = K q^T on wgmma, measured there at 419 us / 19.59 ms, was not kept.)
-# At 256 x 320 (four waves of programs, 5 tiles each) that run cannot rank them (the rows launch
-# itself read 95 and 158 us as two settings; rows_bt 122): there, and for split launches (short
-# walks), the rows launch stays until measured.
-# Candidates on top of rows_bt, named by suffix: "_v" widens V with inline PTX (_widen_e4m3_ptx),
-# "_ss" keeps the softmax row sums per key slot (one reduction across warps a tile instead of
-# two), "_pf<n>" has each iteration ask L2 for the K/V rows n tiles ahead (shared memory holds
-# two 64-key tiles; the prefetch starts the HBM reads of later ones).
-_FP8_DECODE_CANDIDATES: dict[str, dict[str, object]] = {
-    "_v": {"v_ptx": True}, "_ss": {"slot_sums": True}, "_pf2": {"prefetch": 2}, "_pf3": {"prefetch": 3},
-    "_v_pf2": {"v_ptx": True, "prefetch": 2}, "_v_pf3": {"v_ptx": True, "prefetch": 3},
-    "_v_ss": {"v_ptx": True, "slot_sums": True}, "_v_pf2_ss": {"v_ptx": True, "prefetch": 2, "slot_sums": True},
-}
+# two tiles are in flight; "rows_bt_v_ss": rows_bt with V widened by inline PTX (_widen_e4m3_ptx:
+# no pinning product, 620 -> 468 SASS instructions a 64-key tile on sm_90) and the softmax row
+# sums kept per key slot (one reduction across warps a tile instead of two). H200, Qwen3-8B shape,
+# one layer at 64 x 8k / the captured 64 x 8k step: rows 432 us / 20.50 ms and rows_bt 399 us /
+# 18.86 ms (benchmarks/results/h200-2026-12-01g-kvfp8); rows_bt 400 us / 18.75 ms and
+# rows_bt_v_ss 319 us / 15.85 ms (h200-2026-12-02-kvfp8u, programmatic dependent launch on; V by
+# PTX alone 337 us, the slot sums alone 383 us; an L2 prefetch of the K/V rows 2-4 tiles ahead
+# gained at most 2% of the kernel and nothing in the step, and was not kept). (A keys-major
+# kernel, S^T = K q^T on wgmma, measured in g-kvfp8 at 419 us / 19.59 ms, was not kept either.)
+# At 256 x 320 (four waves of programs, 5 tiles each) g-kvfp8 could not rank them (the rows
+# launch itself read 95 and 158 us as two settings; rows_bt 122): there, and for split launches
+# (short walks), the rows launch stays until measured.
 FP8_DECODE_PRESETS: dict[str, dict[str, object]] = {
     "rows": {},
     "rows_bt": {"bt_ahead": True, "num_stages": 3},
-    **{f"rows_bt{tag}": {"bt_ahead": True, "num_stages": 3, **extra} for tag, extra in _FP8_DECODE_CANDIDATES.items()},
+    "rows_bt_v_ss": {"bt_ahead": True, "num_stages": 3, "v_ptx": True, "slot_sums": True},
 }
-# Programs per SM of the decode launch (_DECODE_MAXNREG): "rows_bt" while one wave holds them all.
+# Programs per SM of the decode launch (_DECODE_MAXNREG): "rows_bt_v_ss" while one wave holds them all.
 _DECODE_PROGRAMS_PER_SM = 4
 
 
 def choose_fp8_decode(num_seqs: int, num_kv_heads: int, num_splits: int, num_sms: int) -> str:
     """The fp8 one-query decode preset from static launch facts: ``TIDAL_FP8_DECODE`` when set
-    (an unknown name is an error, not a silent fallback), else "rows_bt" for an unsplit launch
-    that fits one wave (each program walks a whole context: keeping two tiles in flight pays;
-    measured at 64 x 8k), "rows" otherwise (splits, or several waves of programs: not shown to
-    gain)."""
+    (an unknown name is an error, not a silent fallback), else "rows_bt_v_ss" for an unsplit
+    launch that fits one wave (each program walks a whole context: keeping two tiles in flight
+    pays, and the leaner loop; measured at 64 x 8k), "rows" otherwise (splits, or several waves of
+    programs: not shown to gain)."""
     name = os.environ.get("TIDAL_FP8_DECODE")
     if name is None:
         one_wave = num_seqs * num_kv_heads <= _DECODE_PROGRAMS_PER_SM * num_sms
-        return "rows_bt" if num_splits == 1 and one_wave else "rows"
+        return "rows_bt_v_ss" if num_splits == 1 and one_wave else "rows"
     if name not in FP8_DECODE_PRESETS:
         raise ValueError(f"TIDAL_FP8_DECODE={name!r}: expected one of {sorted(FP8_DECODE_PRESETS)}")
     return name
@@ -153,21 +151,11 @@ def _slot_offsets(block_id, k_pos, stride_cb, stride_cs, kv_head_off, BLOCK_SIZE
 
 
 @triton.jit
-def _prefetch_l2(ptrs, valid):
-    """Ask L2 for the cache line (128 bytes) holding each valid address: a hint with no
-    destination register, so nothing waits for it. (sm_90's bulk prefetch takes uniform operands:
-    per-lane addresses become a 32-pass loop there.)"""
-    return tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-        "=r,l,r", [ptrs, valid.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _widen_e4m3_ptx(x):
     """e4m3 -> fp16, four at a time with sm_89+'s paired conversion (the instruction Triton's own
-    cast uses), as inline PTX: Triton keeps it where it is written, before V's staging for the
-    dot, with no pinning product, and the loop around it came out 620 -> 468 SASS instructions a
-    64-key tile (sm_90, Triton 3.6: fewer register moves)."""
+    cast uses), as inline PTX with side effects: Triton keeps it where it is written, before V's
+    staging for the dot, with no pinning product. The rows_bt loop around it came out 620 -> 468
+    SASS instructions a 64-key tile (sm_90, Triton 3.6: 144 -> 64 register moves, no HMUL2)."""
     return tl.inline_asm_elementwise(
         "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
         "=r,=r,r", [x], dtype=tl.float16, is_pure=False, pack=4)
@@ -196,11 +184,12 @@ def _attend_tile(q, k_t, v, k_pos, kv_stop, row_pos, m_i, l_i, acc, scale_log2, 
     else:
         l_i = l_i * alpha + tl.sum(p, axis=1)
     if KV_FP8:
-        # Widened before V is staged in shared memory for the dot: the product with a per-key
-        # tensor (0 for keys past the end, whose loads are 0 anyway) keeps Triton from moving
-        # the widening after the staging, where the dot would gather V's key-strided bytes
-        # with one shared load per byte (sm_90 SASS: 128 LDS.U8 per thread and 128-key tile);
-        # staged as 16-bit, V is read by transposing ldmatrix, as a bf16 cache is.
+        # Widened before V is staged in shared memory for the dot, where Triton would otherwise
+        # move the cast (after the staging, the dot gathers V's key-strided bytes with one
+        # shared load per byte: sm_90 SASS, 128 LDS.U8 per thread and 128-key tile); staged as
+        # 16-bit, V is read by transposing ldmatrix, as a bf16 cache is. Pinned either by the
+        # inline PTX (which Triton never moves) or by a product with a per-key tensor (0 for
+        # keys past the end, whose loads are 0 anyway).
         if V_PTX:
             v = _widen_e4m3_ptx(v)
         else:
@@ -253,7 +242,6 @@ def _paged_attention_kernel(
     BT_AHEAD: tl.constexpr,  # load each tile's block ids one iteration ahead
     SLOT_SUMS: tl.constexpr,  # softmax row sums per key slot, reduced once after the loop
     V_PTX: tl.constexpr,  # FP8_DOT_F16: widen V tiles with inline PTX (_widen_e4m3_ptx)
-    PREFETCH: tl.constexpr,  # > 0: each iteration asks L2 for the K/V rows of the tile that many tiles ahead
     PDL: tl.constexpr = False,
 ):
     tile = tl.program_id(0)
@@ -341,23 +329,9 @@ def _paged_attention_kernel(
         kv_head_off = kv_head.to(tl.int64) * stride_ch
     if BT_AHEAD:
         block_next = _block_ids(bt_row, kv_start + offs_n, kv_start + offs_n < kv_stop, BLOCK_SIZE, OFFS_I32)
-    if PREFETCH > 0:
-        # One lane a key's head vector (the line it starts in: all of it for an fp8 cache's rows
-        # of up to 128 bytes), K's rows, then V's. Their block ids are loaded an iteration
-        # before the prefetch that uses them, so it never waits on the block table.
-        pf_lane = tl.arange(0, 2 * BLOCK_N)
-        pf_key = pf_lane % BLOCK_N
-        pf_is_v = pf_lane >= BLOCK_N
-        pf_pos = kv_start + PREFETCH * BLOCK_N + pf_key
-        pf_ids = _block_ids(bt_row, pf_pos, pf_pos < kv_stop, BLOCK_SIZE, OFFS_I32)
     for start_n in range(kv_start, kv_stop, BLOCK_N):
         k_pos = start_n + offs_n
         k_valid = k_pos < kv_stop
-        if PREFETCH > 0:
-            pf_pos = start_n + PREFETCH * BLOCK_N + pf_key
-            pf_off = _slot_offsets(pf_ids, pf_pos, stride_cb, stride_cs, kv_head_off, BLOCK_SIZE, OFFS_I32)
-            _prefetch_l2(tl.where(pf_is_v, v_cache_ptr + pf_off, k_cache_ptr + pf_off), pf_pos < kv_stop)
-            pf_ids = _block_ids(bt_row, pf_pos + BLOCK_N, pf_pos + BLOCK_N < kv_stop, BLOCK_SIZE, OFFS_I32)
         # Per-key gather through the block table: any block size works with any BLOCK_N.
         if BT_AHEAD:
             # The ids were loaded an iteration earlier: the gather never waits on a block-table
@@ -503,6 +477,15 @@ _CPU_NUM_SMS = 16
 
 
 @functools.lru_cache(maxsize=None)
+def _has_e4m3_cvt(device: torch.device) -> bool:
+    """Whether ``device`` runs ``_widen_e4m3_ptx``'s conversion: a CUDA GPU of compute capability
+    8.9+, outside the interpreter (which runs no inline PTX)."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+@functools.lru_cache(maxsize=None)
 def _num_sms(device: torch.device) -> int:
     """SMs of a CUDA device (132 on an H100/H200); ``_CPU_NUM_SMS`` elsewhere."""
     if device.type != "cuda":
@@ -570,7 +553,6 @@ def paged_attention(
     maxnreg: int | None = None,
     bt_ahead: bool | None = None,
     slot_sums: bool | None = None,
-    prefetch: int | None = None,
     v_ptx: bool | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of ``query [T, H, D]`` over ``kv_cache [2, blocks, block_size, Hkv, D]``.
@@ -593,10 +575,9 @@ def paged_attention(
     ``bt_ahead`` loads each key tile's block ids one iteration ahead (None: False, except for an
     fp8 one-query decode at the default tiles, which takes it and its stages from
     ``choose_fp8_decode``). ``slot_sums`` keeps the softmax row sums per key slot (summed once at
-    the end); ``prefetch`` (tiles, 0 = off) has each key iteration ask L2 for the K/V rows that many
-    tiles ahead; ``v_ptx`` widens an fp8 cache's V tiles by inline PTX (fp16 dots). None: from the
-    same preset. The last two are CUDA only (the interpreter runs no inline PTX; it takes the
-    same launch without them).
+    the end); ``v_ptx`` widens an fp8 cache's V tiles by inline PTX (fp16 dots, compute capability
+    8.9+; elsewhere, and in the interpreter, which runs no inline PTX, the launch is the same
+    without it). None: both from the same preset.
     """
     if query.dim() != 3:
         raise ValueError(f"query must be [num_tokens, num_heads, head_dim], got shape {tuple(query.shape)}")
@@ -662,17 +643,11 @@ def paged_attention(
         bt_ahead = bool(preset.get("bt_ahead"))
         num_stages = num_stages or preset.get("num_stages")  # type: ignore[assignment]
         slot_sums = preset.get("slot_sums", False) if slot_sums is None else slot_sums  # type: ignore[assignment]
-        prefetch = preset.get("prefetch", 0) if prefetch is None else prefetch  # type: ignore[assignment]
         v_ptx = preset.get("v_ptx", False) if v_ptx is None else v_ptx  # type: ignore[assignment]
     bt_ahead = bool(bt_ahead)
     slot_sums = bool(slot_sums)
-    prefetch = int(prefetch or 0)
-    if prefetch < 0:
-        raise ValueError(f"prefetch must be >= 0 tiles, got {prefetch}")
     fp8_dot_f16 = kv_fp8 and query.dtype != torch.float32
-    v_ptx = bool(v_ptx) and fp8_dot_f16
-    if query.device.type != "cuda":
-        prefetch, v_ptx = 0, False  # inline PTX: the interpreter takes the launch without it
+    v_ptx = bool(v_ptx) and fp8_dot_f16 and _has_e4m3_cvt(query.device)
     if one_query_decode and (num_splits == 1 or kv_fp8):
         # A large decode batch (or any over an fp8 cache): 64-key tiles in two stages, capped at
         # 4 programs per SM (see _DECODE_MAXNREG); an explicit block_n keeps its own registers.
@@ -740,7 +715,6 @@ def paged_attention(
         BT_AHEAD=bt_ahead,
         SLOT_SUMS=slot_sums,
         V_PTX=v_ptx,
-        PREFETCH=prefetch,
         PDL=pdl,
         launch_pdl=pdl,
         num_warps=num_warps or (4 if block_m * max(16, next_power_of_2(head_dim)) <= 64 * 128 else 8),
