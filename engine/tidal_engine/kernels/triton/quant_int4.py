@@ -289,15 +289,18 @@ def _pack_f16x2(lo, hi):
 
 @triton.jit
 def _packed_step_weights(q_ptr, s_ptr, z_ptr, q_offs, sz_offs, g0, g, row_ok, n_groups, GW: tl.constexpr,
-                         EVEN: tl.constexpr):
+                         EVEN: tl.constexpr, live=None):
     """A step's words, scales and zeros (fp32) of groups ``g0 + g`` (``q_offs``, ``sz_offs``: int32
-    offsets from the tensors' starts)."""
+    offsets from the tensors' starts). ``live``: a scalar; when false nothing is read (the values
+    are then undefined)."""
     if EVEN:  # no masks: N and the groups are multiples of the tile
-        words = tl.load(q_ptr + (q_offs + g0 * GW))
-        s = tl.load(s_ptr + (sz_offs + g0)).to(tl.float32)
-        z = tl.load(z_ptr + (sz_offs + g0)).to(tl.float32)
+        words = tl.load(q_ptr + (q_offs + g0 * GW), mask=live)
+        s = tl.load(s_ptr + (sz_offs + g0), mask=live).to(tl.float32)
+        z = tl.load(z_ptr + (sz_offs + g0), mask=live).to(tl.float32)
     else:
         ok = row_ok[:, None] & ((g0 + g) < n_groups)[None, :]
+        if live is not None:
+            ok = ok & live
         words = tl.load(q_ptr + (q_offs + g0 * GW), mask=ok[:, :, None], other=0)
         s = tl.load(s_ptr + (sz_offs + g0), mask=ok, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + (sz_offs + g0), mask=ok, other=0.0).to(tl.float32)
@@ -305,11 +308,14 @@ def _packed_step_weights(q_ptr, s_ptr, z_ptr, q_offs, sz_offs, g0, g, row_ok, n_
 
 
 @triton.jit
-def _packed_step_x(x_tile, g0, g, n_groups, GROUP: tl.constexpr, EVEN: tl.constexpr):
-    """A step's activations (fp32) of groups ``g0 + g``."""
+def _packed_step_x(x_tile, g0, g, n_groups, GROUP: tl.constexpr, EVEN: tl.constexpr, live=None):
+    """A step's activations (fp32) of groups ``g0 + g`` (nothing read where ``live`` is false)."""
     if EVEN:
-        return tl.load(x_tile + g0 * GROUP).to(tl.float32)
-    return tl.load(x_tile + g0 * GROUP, mask=((g0 + g) < n_groups)[:, None, None], other=0.0).to(tl.float32)
+        return tl.load(x_tile + g0 * GROUP, mask=live).to(tl.float32)
+    ok = (g0 + g) < n_groups
+    if live is not None:
+        ok = ok & live
+    return tl.load(x_tile + g0 * GROUP, mask=ok[:, None, None], other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -409,6 +415,44 @@ def _word_pairs(t, DIM0: tl.constexpr, DIM1: tl.constexpr, GW: tl.constexpr):
     return tl.split(tl.reshape(t, [DIM0, DIM1, GW // 2, 2]))
 
 
+@triton.jit
+def _packed_step_sums(words, s, z, x, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, GW: tl.constexpr,
+                      XT: tl.constexpr, PAIRED: tl.constexpr):
+    """One step's contribution to the accumulator ``[BLOCK_N, GROUPS, GW // 4]``: each group's
+    word sums (activations scaled by a power of two, paired in fp16) times its scale and factor."""
+    # The biased exponent of each group's largest |x| (0 for an all-zero group, floored).
+    biased = (tl.max(tl.max(tl.abs(x), axis=2), axis=1).to(tl.int32, bitcast=True) >> 23) & 0xFF
+    biased = tl.maximum(biased, EXPONENT_FLOOR)
+    down = ((254 + XT - biased) << 23).to(tl.float32, bitcast=True)  # 2^(XT - E)
+    up = ((biased - XT) << 23).to(tl.float32, bitcast=True)  # 2^(E - XT)
+    # Input 8j + 4a + 2b + c of the step at [.., j, a, b, c]: split off c, b, then a.
+    x_pairs = tl.reshape(x * down[:, None, None], [GROUPS, GW, 2, 2, 2])
+    even, odd = tl.split(x_pairs)
+    x0_4, x2_6 = tl.split(even)
+    x1_5, x3_7 = tl.split(odd)
+    x0, x4 = tl.split(x0_4)
+    x2, x6 = tl.split(x2_6)
+    x1, x5 = tl.split(x1_5)
+    x3, x7 = tl.split(x3_7)
+    zi = z.to(tl.int32)  # 0..16, exact
+    z_low = ((0x6400 + zi) * 0x10001)[:, :, None]  # 1024 + z, twice
+    z_high = ((0xD400 + zi * 16) * 0x10001)[:, :, None]  # -(64 + z), twice
+    x04, x15 = _pack_f16x2(x0, x4)[None, :, :], _pack_f16x2(x1, x5)[None, :, :]
+    x26, x37 = _pack_f16x2(x2, x6)[None, :, :], _pack_f16x2(x3, x7)[None, :, :]
+    if PAIRED:  # words 2j and 2j + 1 in one fp16 sum
+        wa, wb = _word_pairs(words, BLOCK_N, GROUPS, GW)
+        xa04, xb04 = _word_pairs(x04, 1, GROUPS, GW)
+        xa15, xb15 = _word_pairs(x15, 1, GROUPS, GW)
+        xa26, xb26 = _word_pairs(x26, 1, GROUPS, GW)
+        xa37, xb37 = _word_pairs(x37, 1, GROUPS, GW)
+        dots = _word_pair_dot_f16x2(wa, wb, xa04, xa15, xa26, xa37, xb04, xb15, xb26, xb37, z_low, z_high)
+        dots = tl.sum(tl.reshape(dots, [BLOCK_N, GROUPS, GW // 4, 2]), axis=3)
+    else:
+        dots = _word_dot_f16x2(words, x04, x15, x26, x37, z_low, z_high)
+        dots = tl.sum(tl.reshape(dots, [BLOCK_N, GROUPS, GW // 4, 4]), axis=3)
+    return dots * (s * up[None, :])[:, :, None]
+
+
 # The by-groups GEMV with the word math in fp16 pairs. The tile and loads are the by-groups
 # kernel's; per step, each group's activations (fp32) are scaled by 2^(X_TOP - E), E the
 # exponent of the group's largest |x| (a power of two: exact), rounded to fp16 and paired as a
@@ -480,14 +524,24 @@ def _int4_packed_gemv_kernel(
     g_end = g_start + n_groups // SPLIT
     # Word sums are added four at a time in registers (the 4 words a 16-byte load holds).
     acc = tl.zeros([BLOCK_N, GROUPS, GW // 4], tl.float32)
+    g_loop = g_start
     if PREFETCH:  # the first step's weights load while the kernel before this one finishes
         words, s, z = _packed_step_weights(q_ptr, s_ptr, z_ptr, q_offs, sz_offs, g_start, g, row_ok, n_groups, GW,
                                            EVEN)
-        pdl_wait(PDL)
-        x = _packed_step_x(x_tile, g_start, g, n_groups, GROUP, EVEN)
+        if PDL:  # and the second's: two steps in flight before the wait, the first step peeled off
+            g_loop = g_start + GROUPS
+            words1, s1, z1 = _packed_step_weights(q_ptr, s_ptr, z_ptr, q_offs, sz_offs, g_loop, g, row_ok, n_groups,
+                                                  GW, EVEN, g_loop < g_end)
+            pdl_wait(PDL)
+            x = _packed_step_x(x_tile, g_start, g, n_groups, GROUP, EVEN)
+            x1 = _packed_step_x(x_tile, g_loop, g, n_groups, GROUP, EVEN, g_loop < g_end)
+            acc += _packed_step_sums(words, s, z, x, BLOCK_N, GROUPS, GW, XT, PAIRED)
+            words, s, z, x = words1, s1, z1, x1
+        else:
+            x = _packed_step_x(x_tile, g_start, g, n_groups, GROUP, EVEN)
     else:
         pdl_wait(PDL)
-    for g0 in range(g_start, g_end, GROUPS):
+    for g0 in range(g_loop, g_end, GROUPS):
         if PREFETCH:  # the next step's loads in flight while this one computes (the last wraps to the first)
             g_next = g0 + GROUPS
             g_next = tl.where(g_next < g_end, g_next, g_start)
@@ -496,37 +550,7 @@ def _int4_packed_gemv_kernel(
         else:
             words, s, z, x = _packed_step_loads(q_ptr, s_ptr, z_ptr, q_offs, sz_offs, x_tile, g0, g, row_ok,
                                                 n_groups, GW, GROUP, EVEN)
-        # The biased exponent of each group's largest |x| (0 for an all-zero group, floored).
-        biased = (tl.max(tl.max(tl.abs(x), axis=2), axis=1).to(tl.int32, bitcast=True) >> 23) & 0xFF
-        biased = tl.maximum(biased, EXPONENT_FLOOR)
-        down = ((254 + XT - biased) << 23).to(tl.float32, bitcast=True)  # 2^(XT - E)
-        up = ((biased - XT) << 23).to(tl.float32, bitcast=True)  # 2^(E - XT)
-        # Input 8j + 4a + 2b + c of the step at [.., j, a, b, c]: split off c, b, then a.
-        x_pairs = tl.reshape(x * down[:, None, None], [GROUPS, GW, 2, 2, 2])
-        even, odd = tl.split(x_pairs)
-        x0_4, x2_6 = tl.split(even)
-        x1_5, x3_7 = tl.split(odd)
-        x0, x4 = tl.split(x0_4)
-        x2, x6 = tl.split(x2_6)
-        x1, x5 = tl.split(x1_5)
-        x3, x7 = tl.split(x3_7)
-        zi = z.to(tl.int32)  # 0..16, exact
-        z_low = ((0x6400 + zi) * 0x10001)[:, :, None]  # 1024 + z, twice
-        z_high = ((0xD400 + zi * 16) * 0x10001)[:, :, None]  # -(64 + z), twice
-        x04, x15 = _pack_f16x2(x0, x4)[None, :, :], _pack_f16x2(x1, x5)[None, :, :]
-        x26, x37 = _pack_f16x2(x2, x6)[None, :, :], _pack_f16x2(x3, x7)[None, :, :]
-        if PAIRED:  # words 2j and 2j + 1 in one fp16 sum
-            wa, wb = _word_pairs(words, BLOCK_N, GROUPS, GW)
-            xa04, xb04 = _word_pairs(x04, 1, GROUPS, GW)
-            xa15, xb15 = _word_pairs(x15, 1, GROUPS, GW)
-            xa26, xb26 = _word_pairs(x26, 1, GROUPS, GW)
-            xa37, xb37 = _word_pairs(x37, 1, GROUPS, GW)
-            dots = _word_pair_dot_f16x2(wa, wb, xa04, xa15, xa26, xa37, xb04, xb15, xb26, xb37, z_low, z_high)
-            dots = tl.sum(tl.reshape(dots, [BLOCK_N, GROUPS, GW // 4, 2]), axis=3)
-        else:
-            dots = _word_dot_f16x2(words, x04, x15, x26, x37, z_low, z_high)
-            dots = tl.sum(tl.reshape(dots, [BLOCK_N, GROUPS, GW // 4, 4]), axis=3)
-        acc += dots * (s * up[None, :])[:, :, None]
+        acc += _packed_step_sums(words, s, z, x, BLOCK_N, GROUPS, GW, XT, PAIRED)
         if PREFETCH:
             words, s, z, x = next_loads
     y = tl.sum(tl.sum(acc, axis=2), axis=1)
