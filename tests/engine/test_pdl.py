@@ -24,7 +24,7 @@ INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def test_pdl_is_used_on_hopper_cuda_devices_only_and_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_common, "_capability_major", lambda index: {0: 9, 1: 8}[index])
+    monkeypatch.setattr(_common, "_capability", lambda index: {0: (9, 0), 1: (8, 9)}[index])
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.delenv("TIDAL_PDL", raising=False)
     assert pdl_launch(torch.device("cuda", 0))

@@ -43,19 +43,25 @@ KV_CACHE_DTYPES: tuple[torch.dtype, ...] = FLOAT_DTYPES + (FP8_KV_DTYPE,)
 # takes ``PDL`` calls ``pdl_wait`` in every program before its first write and before it exits,
 # so completion stays transitive along the chain. TIDAL_PDL=0 turns it off.
 @functools.lru_cache(maxsize=None)
-def _capability_major(index: int) -> int:
-    return torch.cuda.get_device_capability(index)[0]
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def compiled_capability(device: torch.device) -> tuple[int, int] | None:
+    """The compute capability of ``device`` where Triton kernels run compiled there (inline PTX
+    included); None on other devices and under the interpreter."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return None
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def pdl_launch(device: torch.device) -> bool:
-    """Whether kernels on ``device`` launch with programmatic dependent launch: a CUDA device of
-    compute capability 9 or later, a Triton with grid dependency control, not the interpreter,
-    and TIDAL_PDL not ``0``."""
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-        return False
+    """Whether kernels on ``device`` launch with programmatic dependent launch: compiled on a
+    CUDA device of compute capability 9 or later, a Triton with grid dependency control, and
+    TIDAL_PDL not ``0``."""
     if os.environ.get("TIDAL_PDL", "1") == "0" or not hasattr(tl.extra.cuda, "gdc_wait"):
         return False
-    return _capability_major(device.index if device.index is not None else torch.cuda.current_device()) >= 9
+    return (compiled_capability(device) or (0, 0)) >= (9, 0)
 
 
 @triton.jit

@@ -68,6 +68,7 @@ from tidal_engine.kernels.triton._common import (
     FP8_KV_DTYPE,
     check_dtype,
     check_same_device,
+    compiled_capability,
     next_power_of_2,
     pdl_launch,
     pdl_wait,
@@ -477,15 +478,6 @@ _CPU_NUM_SMS = 16
 
 
 @functools.lru_cache(maxsize=None)
-def _has_e4m3_cvt(device: torch.device) -> bool:
-    """Whether ``device`` runs ``_widen_e4m3_ptx``'s conversion: a CUDA GPU of compute capability
-    8.9+, outside the interpreter (which runs no inline PTX)."""
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-        return False
-    return torch.cuda.get_device_capability(device) >= (8, 9)
-
-
-@functools.lru_cache(maxsize=None)
 def _num_sms(device: torch.device) -> int:
     """SMs of a CUDA device (132 on an H100/H200); ``_CPU_NUM_SMS`` elsewhere."""
     if device.type != "cuda":
@@ -647,7 +639,8 @@ def paged_attention(
     bt_ahead = bool(bt_ahead)
     slot_sums = bool(slot_sums)
     fp8_dot_f16 = kv_fp8 and query.dtype != torch.float32
-    v_ptx = bool(v_ptx) and fp8_dot_f16 and _has_e4m3_cvt(query.device)
+    # _widen_e4m3_ptx's conversion: compute capability 8.9+, compiled (the interpreter runs no PTX).
+    v_ptx = bool(v_ptx) and fp8_dot_f16 and (compiled_capability(query.device) or (0, 0)) >= (8, 9)
     if one_query_decode and (num_splits == 1 or kv_fp8):
         # A large decode batch (or any over an fp8 cache): 64-key tiles in two stages, capped at
         # 4 programs per SM (see _DECODE_MAXNREG); an explicit block_n keeps its own registers.
