@@ -4,7 +4,8 @@ For each weight shape: bf16 cuBLAS (``F.linear`` on the dequantized weights) at 
 128 rows; the INT4 GEMM at those rows (its default tiles, and a few alternatives at 16 and 128
 rows); every INT4 GEMV candidate (kernels/triton/quant_int4.py: by groups, by groups in packed
 halves, by words, on tensor cores; split-K ones named ``...,splitS)``, prefetching ones
-``...,stages2)``) at 1 and 4 rows, and a few more packed-halves tiles at 1 row. Each time is
+``...,stages2)``) at 1 and 4 rows, and a few more packed-halves tiles at 1 row (``--sweep``: many
+more, ``SWEEP_TILES``). Each time is
 32 calls captured in one CUDA graph, the weights rotated through enough copies to exceed the
 L2 cache (kernels/gemv_choice.py's ``time_in_graph``, as the start-up choice times them).
 Bandwidth counts the INT4 words plus the scales and zeros (bf16: the 16-bit weights).
@@ -57,6 +58,14 @@ GEMM_ALTERNATIVES = {16: [(16, 16, 128, 4, 4), (16, 64, 128, 4, 4)],
 # 32 x 1024 one, slower in those runs, are no longer timed (start-up of the one device call).
 PACKED_ALTERNATIVES = [PackedGemvConfig(16, 1024, 2), PackedGemvConfig(8, 1024, 2), PackedGemvConfig(8, 1024, 4, 2),
                        PackedGemvConfig(32, 1024, 4, 2), PairedPackedGemvConfig(16, 1024, 4, 2)]
+# --sweep: prefetching packed tiles besides those, all timed at one row since the kernels launch with
+# programmatic dependent launch (rows x inputs a step, warps; the tiles of 16 x 1024 split in two with
+# more warps or wider steps).
+SWEEP_TILES = [PackedGemvConfig(bn, bk, w, 2) for bn, bk, w in (
+    (8, 1024, 2), (16, 1024, 2), (16, 1024, 8), (16, 2048, 4), (16, 2048, 8), (16, 512, 4), (16, 512, 2),
+    (32, 1024, 8), (32, 2048, 8), (32, 512, 4), (8, 2048, 4), (8, 512, 2))] + [
+    PackedGemvConfig(16, 1024, 8, 2, split_k=2), PackedGemvConfig(16, 512, 4, 2, split_k=2),
+    PackedGemvConfig(32, 1024, 8, 2, split_k=2), PackedGemvConfig(8, 1024, 4, 2, split_k=2)]
 
 
 def config_name(config: Any) -> str:
@@ -165,7 +174,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
     ap.add_argument("--rows", type=int, nargs="+", default=list(ROWS), help="input row counts to time")
+    ap.add_argument("--sweep", action="store_true", help="also time SWEEP_TILES at one row")
     args = ap.parse_args()
+    if args.sweep:
+        PACKED_ALTERNATIVES.extend(SWEEP_TILES)
     results: dict[str, Any] = {}
     for n, k in SHAPES:
         results[f"{n}x{k}"] = bench_shape(n, k, tuple(args.rows))
