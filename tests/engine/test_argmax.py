@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -117,6 +118,27 @@ def test_workspace_made_inside_a_capture_raises(monkeypatch: pytest.MonkeyPatch)
         argmax_mod._workspace(device, 3, 4)
 
 
+@cpu_kernel
+def test_scatter_into_writes_each_rows_index_in_the_same_launch() -> None:
+    torch.manual_seed(2)
+    x = torch.randn(3, 200)
+    dest = torch.full((6,), -1, dtype=torch.int64)
+    out = argmax_rows(x, chunk=CHUNK, force_kernel=True, scatter_into=(dest, torch.tensor([4, 0, 2])))
+    assert out.tolist() == x.argmax(dim=-1).tolist()
+    assert dest.tolist() == [out[1], -1, out[2], -1, out[0], -1]
+
+
+def test_scatter_into_off_the_kernel_and_its_checks() -> None:
+    x = torch.tensor([[1.0, 3.0, 2.0], [5.0, 0.0, 1.0]])
+    dest = torch.zeros(3, dtype=torch.int64)
+    assert argmax_rows(x, scatter_into=(dest, torch.tensor([2, 1]))).tolist() == [1, 0]
+    assert dest.tolist() == [0, 0, 1]
+    with pytest.raises(ValueError, match="scatter_into"):
+        argmax_rows(x, scatter_into=(dest.float(), torch.tensor([2, 1])))
+    with pytest.raises(ValueError, match="scatter_into"):
+        argmax_rows(x, scatter_into=(dest, torch.tensor([2])))
+
+
 def test_cpu_without_force_is_torch() -> None:
     x = torch.tensor([[1.0, 3.0, 3.0], [NAN, 0.0, NAN]])
     assert argmax_rows(x).tolist() == [1, 0]
@@ -198,15 +220,17 @@ def test_gpu_sampler_greedy_path_uses_the_kernel(monkeypatch: pytest.MonkeyPatch
 
     calls: list[tuple[int, ...]] = []
 
-    def counted(logits: torch.Tensor) -> torch.Tensor:
+    def counted(logits: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         calls.append(tuple(logits.shape))
-        return argmax_rows(logits)
+        return argmax_rows(logits, **kwargs)
 
     monkeypatch.setattr(sampler_mod, "_split_argmax", lambda: counted)
     sampler = sampler_mod.Sampler(QWEN3_VOCAB, 4, torch.device("cuda"))
     for i in range(3):
         sampler.add_request(str(i), SamplingOptions(temperature=0.0), [1, 2])
     logits = torch.randn(3, QWEN3_VOCAB, device="cuda")
-    ids, _ = sampler.sample(logits, ["0", "1", "2"]).result()
+    last = torch.zeros(5, dtype=torch.int64, device="cuda")
+    ids, _ = sampler.sample(logits, ["0", "1", "2"], record_into=(last, torch.tensor([3, 1, 4], device="cuda"))).result()
     assert ids == logits.argmax(dim=-1).tolist()
+    assert last.tolist() == [0, ids[1], 0, ids[0], ids[2]]
     assert calls == [(3, QWEN3_VOCAB)]

@@ -52,10 +52,14 @@ class StandInSampler:
     def remove_request(self, req_id: str) -> None:
         self.options.pop(req_id, None)
 
-    def sample(self, logits: torch.Tensor, req_ids: list[str], grammar_bitmasks: Any = None) -> "StandInTokens":
+    def sample(self, logits: torch.Tensor, req_ids: list[str], grammar_bitmasks: Any = None,
+               record_into: tuple[torch.Tensor, torch.Tensor] | None = None) -> "StandInTokens":
         assert logits.shape == (len(req_ids), self.vocab_size)
         assert all(r in self.options for r in req_ids), "the sampler was not told of a request"
-        return StandInTokens(logits.argmax(dim=-1))
+        ids = logits.argmax(dim=-1)
+        if record_into is not None:
+            record_into[0].index_copy_(0, record_into[1], ids)
+        return StandInTokens(ids)
 
 
 class StandInTokens:

@@ -296,6 +296,19 @@ def test_greedy_fast_path_is_one_argmax(monkeypatch: pytest.MonkeyPatch) -> None
     assert out.result() == (logits.argmax(-1).tolist(), [])
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_record_into_holds_each_rows_sampled_id(temperature: float) -> None:
+    # The runner's per-row last sampled ids: the greedy fast path and the general path both fill them.
+    torch.manual_seed(4)
+    logits = torch.randn(3, 100)
+    sampler = make(100)
+    for i in range(3):
+        sampler.add_request(str(i), O(temperature=temperature), [1])
+    last = torch.full((5,), -1, dtype=torch.int64)
+    ids, _ = sampler.sample(logits, ["0", "1", "2"], record_into=(last, torch.tensor([2, 4, 0]))).result()
+    assert last.tolist() == [ids[2], -1, ids[0], -1, ids[1]]
+
+
 def test_greedy_and_random_rows_mix() -> None:
     torch.manual_seed(1)
     vocab = 200

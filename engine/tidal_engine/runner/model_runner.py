@@ -786,10 +786,10 @@ class ModelRunner:
     ) -> SampledTokens:
         if len(sample_req_ids) != layout.num_samples:
             raise ValueError(f"{layout.num_samples} sequences sample, but {len(sample_req_ids)} request ids were given")
-        sampled = self.sampler.sample(logits, sample_req_ids, grammar_bitmasks or None)
         a, b = layout.offsets()["sampled_rows"]
+        sampled = self.sampler.sample(logits, sample_req_ids, grammar_bitmasks or None,
+                                      record_into=(self.batch.last_sampled_dev, staged[a:b]))
         ids = sampled.device_ids.view(-1).long()
-        self.batch.last_sampled_dev.index_copy_(0, staged[a:b], ids)
         drafts = self.batch.device_drafts
         if drafts is not None:  # the histories grow by the sampled ids; the next drafts follow
             drafts.record(staged[a:b], ids[:, None], torch.ones_like(ids))

@@ -97,10 +97,17 @@ def _split_argmax() -> Callable[[torch.Tensor], torch.Tensor] | None:
     return argmax_rows
 
 
-def _greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+def _greedy_argmax(logits: torch.Tensor, record_into: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
     if logits.is_cuda and logits.shape[1] >= _SPLIT_ARGMAX_MIN_VOCAB and (argmax_rows := _split_argmax()):
-        return argmax_rows(logits)
-    return logits.argmax(dim=-1)
+        return argmax_rows(logits, scatter_into=record_into)  # the record in the same launch
+    ids = logits.argmax(dim=-1)
+    _record(ids, record_into)
+    return ids
+
+
+def _record(ids: torch.Tensor, record_into: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+    if record_into is not None:
+        record_into[0].index_copy_(0, record_into[1], ids.view(-1).long())
 
 
 # ---------------------------------------------------------------- host-side request records
@@ -511,9 +518,12 @@ class Sampler:
         logits: torch.Tensor,
         req_ids: list[str],
         grammar_bitmasks: dict[str, bytes] | None = None,
+        record_into: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> SampledTokens:
         """Queue the sampling of one token per row on the logits' device, update the rows'
-        device state, and start copying the ids to the host; nothing here waits for the device."""
+        device state, and start copying the ids to the host; nothing here waits for the device.
+        ``record_into = (dest, index)``: also ``dest[index[i]] = id of row i`` on the device (the
+        persistent batch's last sampled ids; the greedy argmax kernel writes them itself)."""
         if logits.dim() != 2 or logits.shape[0] != len(req_ids):
             raise ValueError(f"logits must be [len(req_ids), vocab], got {tuple(logits.shape)} for {len(req_ids)} rows")
         if logits.shape[1] != self.vocab_size:
@@ -538,7 +548,7 @@ class Sampler:
 
         # Fast path: plain greedy rows need nothing but the argmax.
         if not (grammar_rows or penalty_rows or min_tok_rows or lp_rows or random_rows):
-            return self._finish(SampledTokens(_greedy_argmax(logits)), None)
+            return self._finish(SampledTokens(_greedy_argmax(logits, record_into)), None)
 
         # One host→device copy of every index this step needs.
         groups: dict[str, list[int]] = {}
@@ -645,6 +655,7 @@ class Sampler:
             out._lp_rows = lp_rows
             out._lp_counts = wanted
             out._lp_width = max(wanted)
+        _record(tokens, record_into)
         return self._finish(out, lp)
 
     def _finish(self, out: SampledTokens, lp: torch.Tensor | None) -> SampledTokens:

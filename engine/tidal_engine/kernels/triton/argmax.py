@@ -57,6 +57,9 @@ def _argmax_rows_kernel(
     BLOCK: tl.constexpr,
     PAIRS: tl.constexpr,
     PDL: tl.constexpr = False,
+    scatter_ptr=None,
+    scatter_index_ptr=None,
+    SCATTER: tl.constexpr = False,
 ):
     row = tl.program_id(0)
     part = tl.program_id(1)
@@ -93,6 +96,8 @@ def _argmax_rows_kernel(
             row_v, row_i = _better(row_v, row_i, pair_v, pair_i)
         _, index = tl.reduce((row_v, row_i), 0, _better)
         tl.store(out_ptr + row, index.to(tl.int64))
+        if SCATTER:  # and into its slot of another tensor: scatter[scatter_index[row]] = index
+            tl.store(scatter_ptr + tl.load(scatter_index_ptr + row), index.to(scatter_ptr.dtype.element_ty))
         tl.store(cnt_ptr + row, 0)
 
 
@@ -138,16 +143,28 @@ def default_chunk(element_size: int) -> int:
     return 8192 // element_size
 
 
-def argmax_rows(logits: torch.Tensor, *, chunk: int | None = None, force_kernel: bool = False) -> torch.Tensor:
+def argmax_rows(logits: torch.Tensor, *, chunk: int | None = None, force_kernel: bool = False,
+                scatter_into: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``logits.argmax(dim=-1)`` of ``logits`` [M, V] (fp32, bf16 or fp16) as int64 [M], with
     torch's semantics (first index of the maximum, NaN the largest), in one launch on CUDA.
 
     ``chunk`` (a power of two) overrides the columns a program reduces. Off CUDA this is torch's
-    argmax unless ``force_kernel`` (tests run the kernel in Triton's interpreter)."""
+    argmax unless ``force_kernel`` (tests run the kernel in Triton's interpreter).
+    ``scatter_into = (dest, index)``: also ``dest[index[i]] = result[i]`` (``dest`` a 1-D int64
+    tensor, ``index`` int64 [M]: the persistent batch's last sampled token of each row), in the
+    same launch."""
     if logits.dim() != 2 or logits.shape[1] == 0:
         raise ValueError(f"argmax_rows takes logits of shape [M, V] with V >= 1; got {tuple(logits.shape)}")
+    if scatter_into is not None:
+        dest, index = scatter_into
+        if dest.dim() != 1 or dest.dtype != torch.int64 or index.dtype != torch.int64 or index.shape != logits.shape[:1]:
+            raise ValueError(f"scatter_into takes an int64 [R] tensor and int64 indices [{logits.shape[0]}]; got "
+                             f"{dest.dtype} {tuple(dest.shape)} and {index.dtype} {tuple(index.shape)}")
     if not (logits.is_cuda or force_kernel):
-        return logits.argmax(dim=-1)
+        out = logits.argmax(dim=-1)
+        if scatter_into is not None:
+            scatter_into[0].index_copy_(0, scatter_into[1], out)
+        return out
     check_dtype("logits", logits, FLOAT_DTYPES)
     m, v = logits.shape
     if v >= 2**31:
@@ -169,6 +186,8 @@ def argmax_rows(logits: torch.Tensor, *, chunk: int | None = None, force_kernel:
     _argmax_rows_kernel[(m, chunks)](
         logits, out, ws.values, ws.indices, ws.counters, v, logits.stride(0), ws.chunks,
         CHUNK=chunk, BLOCK=block, PAIRS=128, PDL=pdl,
+        **({} if scatter_into is None else
+           {"scatter_ptr": scatter_into[0], "scatter_index_ptr": scatter_into[1], "SCATTER": True}),
         num_warps=4, launch_pdl=pdl,
     )
     return out
