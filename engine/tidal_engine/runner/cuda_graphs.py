@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from tidal_engine.layers.attention import AttentionMetadata
-from tidal_engine.runner.input_buffers import packed_offsets
+from tidal_engine.runner.input_buffers import StepLayout, packed_offsets
 
 logger = logging.getLogger(__name__)
 
@@ -152,6 +152,7 @@ class DecodeGraphs:
             with torch.cuda.graph(graph, pool=pool, stream=stream):
                 logits = self._forward(b)
             self.graphs[b] = _Graph(graph, logits)
+        self._compile_staging()
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - start
         logger.info("captured %d decode CUDA graphs (batch %d..%d) in %.2f s",
@@ -214,6 +215,32 @@ class DecodeGraphs:
             assert self.stage_input is not None
             self.stage_input[0][:b].copy_(stage_input[0])
             self.stage_input[1][:b].copy_(stage_input[1])
+        entry = self.graphs[b]
+        entry.graph.replay()
+        self.num_replays += 1
+        return entry.logits
+
+    def _compile_staging(self) -> None:
+        """``replay_fed``'s kernel, compiled (or loaded) now rather than on the first decode step."""
+        from tidal_engine.kernels.triton import triton_available
+
+        if triton_available():
+            from tidal_engine.kernels.triton.graph_inputs import stage_decode_graph
+
+            stage_decode_graph(self.scalars, 0, self.scalars, (0, 0, 0), self.scalars, self.block_tables, 0, 0, 0,
+                               self.block_tables)
+
+    def replay_fed(self, b: int, staged: torch.Tensor, layout: StepLayout, last_sampled: torch.Tensor,
+                   table: torch.Tensor) -> torch.Tensor:
+        """``replay`` of a step whose fed tokens are still only on the device: one kernel puts the
+        staged scalars (the fed tokens from ``last_sampled`` in place) and the step's rows of the
+        persistent block ``table`` into the graph's buffers (kernels/triton/graph_inputs.py)."""
+        from tidal_engine.kernels.triton.graph_inputs import stage_decode_graph
+
+        off = layout.offsets()
+        stage_decode_graph(staged, self._scalars_end(b), self.scalars,
+                           (off["feed_rows"][0], off["feed_src"][0], layout.num_feeds), last_sampled, table,
+                           off["batch_rows"][0], layout.num_seqs, layout.width, self.block_tables)
         entry = self.graphs[b]
         entry.graph.replay()
         self.num_replays += 1

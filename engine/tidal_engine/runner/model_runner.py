@@ -28,6 +28,7 @@ from tidal_engine.kernels.compile_ahead import (
     prepare_triton_in_background,
 )
 from tidal_engine.kernels.compile_cache import triton_cache_filled, use_cache_dir
+from tidal_engine.kernels.triton import triton_available
 from tidal_engine.layers.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend, set_attention_backend
 from tidal_engine.layers.kv_cache_dtype import kv_cache_torch_dtype
 from tidal_engine.lora.manager import create_lora_manager
@@ -510,11 +511,13 @@ class ModelRunner:
         return self.mixed_graphs.bucket(int(step.q_lens.sum()), int(step.rows.shape[0]), width)
 
     def _stage(
-        self, step: StepInput, width: int, pad_to: int | None, pad_tokens_to: int | None = None
+        self, step: StepInput, width: int, pad_to: int | None, pad_tokens_to: int | None = None,
+        feed: bool = True,
     ) -> tuple[StepLayout, torch.Tensor]:
         """Pack the step into a pinned buffer and start its (async) copy to the device; then,
         on the device, apply the block-table changes to the persistent table and feed the
-        chunks whose last token is still only on the device."""
+        chunks whose last token is still only on the device (``feed``: in the staged buffer;
+        else the caller does, as ``DecodeGraphs.replay_fed``)."""
         batch = self.batch
         bt_index, bt_value = batch.take_block_updates()
         layout = plan_step(step, width, pad_to, pad_tokens_to, num_bt_updates=int(bt_index.shape[0]))
@@ -525,13 +528,20 @@ class ModelRunner:
         if layout.num_bt_updates:
             (ia, ib), (va, vb) = off["bt_index"], off["bt_value"]
             batch.apply_block_updates(staged[ia:ib], staged[va:vb])
-        if layout.num_feeds:
+        if layout.num_feeds and feed:
             _feed_input_ids(staged, layout, batch.last_sampled_dev)
             if batch.device_drafts is not None:
                 self._shift_fed_rows(layout, staged)
         if batch.device_drafts is not None:  # bounds the histories the proposer reads after the step
             self._history_width = int(batch.num_tokens[step.rows].max()) + 2 * (batch.device_drafts.k + 1)
         return layout, staged
+
+    def _graph_feeds(self) -> bool:
+        """Whether a decode graph's inputs go in with one kernel (``DecodeGraphs.replay_fed``):
+        on CUDA with Triton, when nothing but the graph reads the staged tokens (no draft
+        model, no drafts made on the device)."""
+        return (self.device.type == "cuda" and self.draft is None and self.batch.device_drafts is None
+                and triton_available())
 
     def _use_device_drafts(self) -> None:
         """Drafts made on the device: a draft model (always; loaded here, after the target, so
@@ -716,10 +726,15 @@ class ModelRunner:
             a, b = layout.offsets()["sample_rows"]
             logits = self.model.compute_logits(hidden.index_select(0, staged[a:b]))
             return self._sample(logits, layout, staged, sample_req_ids, grammar_bitmasks)
-        layout, staged = self._stage(step, width, bucket)
+        fed_by_graph = bucket is not None and self._graph_feeds()
+        layout, staged = self._stage(step, width, bucket, feed=not fed_by_graph)
         if bucket is not None:
             assert self.graphs is not None
-            logits = self.graphs.replay(bucket, staged, self._block_tables(layout, staged))
+            if fed_by_graph:
+                logits = self.graphs.replay_fed(bucket, staged, layout, self.batch.last_sampled_dev,
+                                                self.batch.block_table_dev)
+            else:
+                logits = self.graphs.replay(bucket, staged, self._block_tables(layout, staged))
             self.draft_forward(layout, staged)
             if not layout.num_samples:
                 return None
