@@ -10,7 +10,7 @@ export PYTHONPATH=engine:operator:/tmp/site TIDAL_COMMIT=$(cat COMMIT) TIDAL_BEN
   PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader
 echo "=== tests $(date +%T)"
-timeout 150 python3 -m pytest -q -p no:cacheprovider -o addopts= -m gpu tests/engine/test_cuda_graphs.py \
+timeout 120 python3 -m pytest -q -p no:cacheprovider -o addopts= -m gpu tests/engine/test_cuda_graphs.py \
   tests/engine/test_argmax.py > "$OUT/gpu-tests.txt" 2>&1
 echo "rc $?" | tee -a "$OUT/gpu-tests.txt"; tail -3 "$OUT/gpu-tests.txt"
 B="python3 benchmarks/gpu_bench.py --shape qwen3-8b --suite quant --skip throughput_fixed"
@@ -32,7 +32,7 @@ echo "=== timeline $(date +%T)"
 timeout 80 python3 benchmarks/single_stream_timeline.py --shape qwen3-8b --quantization gptq \
   --out "$OUT/timeline-gptq.json" 2>&1 | grep -vE "Warning|warn|^\s*$" | tail -11
 echo "=== sweep $(date +%T)"
-timeout 240 python3 benchmarks/int4_micro.py --rows 1 --sweep --out "$OUT/int4-micro-sweep.json" > /tmp/sweep-log.txt 2>&1
+timeout 200 python3 benchmarks/int4_micro.py --rows 1 --sweep --out "$OUT/int4-micro-sweep.json" > /tmp/sweep-log.txt 2>&1
 echo "rc $?"; grep -E "WRONG|failed|Error" /tmp/sweep-log.txt | tail -5
 python3 - "$OUT/int4-micro-sweep.json" <<'P'
 import json, sys
