@@ -109,6 +109,11 @@ INT4_GEMV_CONFIGS: tuple[GemvConfig, ...] = (
     PackedGemvConfig(16, 1024, 4, 2),
     PackedGemvConfig(16, 1024, 4),
     PackedGemvConfig(32, 1024, 4),
+    # Swept again under programmatic dependent launch (h200-2026-12-02-tenth, call 6): half-width
+    # steps on two warps took 24576 x 4096 in 20.7 us (folded 21.8) against 23.3 (23.7), and
+    # double-width steps 4096 x 4096 in 5.6 against 6.1.
+    PackedGemvConfig(16, 512, 2, 2),
+    PackedGemvConfig(16, 2048, 4, 2),
     # Split K in two (each program half of the steps, the last of a tile adding the two partial
     # sums): wins one row of 4096 x 12288 (down; 13.5 us against 14.1) and nothing else
     # (h200-2026-12-02-int4c: 7.3 against 6.5 us on 4096 x 4096, 11.6 against 7.7 on 6144 x 4096).
