@@ -12,8 +12,9 @@ batch-size bucket B, reading static input buffers:
   kernels' row stride is a constant of the graph.
 
 A replay refreshes those buffers with two device copies (the block table comes gathered
-from the runner's persistent device table, ``[B, width]`` with ``width`` <= the fixed width) and returns the float32 logits of
-all B rows (a static output: read it before the next replay). The sampler stays outside.
+from the runner's persistent device table, ``[B, width]`` with ``width`` <= the fixed width), or,
+``replay_fed``, with one kernel that also feeds the tokens still only on the device, and returns
+the float32 logits of all B rows (a static output: read it before the next replay). The sampler stays outside.
 The graphs bake in the addresses of the weights and the KV cache: anything that moves
 them (sleep mode) must drop the graphs and capture again.
 

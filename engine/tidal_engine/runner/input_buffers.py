@@ -19,7 +19,8 @@ runner scatters them into); ``batch_rows`` picks the step's rows out of that tab
 all zeros: padding sequences use it). For a CUDA-graph step the batch is padded to a bucket
 B (T = S = B): the entries up to the end of query_start_loc then have the same layout as the
 graph's static buffer (``packed_offsets(B, B, 0, 0)``), so one device copy refreshes them,
-and a second one puts the gathered block table into the graph's fixed-width table.
+and a second one puts the gathered block table into the graph's fixed-width table (on CUDA one
+kernel does both and the feed below: ``DecodeGraphs.replay_fed``).
 
 Async scheduling stages a step before the previous one's tokens are back on the host: a
 chunk whose last token is still being sampled is *fed* on the device, ``input_ids[feed_rows[j]]
