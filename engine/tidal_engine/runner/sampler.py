@@ -86,7 +86,7 @@ _SPLIT_ARGMAX_MIN_VOCAB = 8192
 
 
 @functools.cache
-def _split_argmax() -> Callable[[torch.Tensor], torch.Tensor] | None:
+def _split_argmax() -> Callable[..., torch.Tensor] | None:
     # Imported on first use: the sampler also serves CPU installs without Triton.
     from tidal_engine.kernels.triton import triton_available
 
