@@ -107,12 +107,12 @@ def test_second_call_gives_the_same_answer_counters_reset() -> None:
 def test_workspace_made_inside_a_capture_raises(monkeypatch: pytest.MonkeyPatch) -> None:
     device = torch.device("cpu")
     monkeypatch.setattr(argmax_mod, "_workspaces", {})
-    monkeypatch.setattr(argmax_mod, "_stream_capturing", lambda: True)
+    monkeypatch.setattr(argmax_mod, "stream_capturing", lambda: True)
     with pytest.raises(RuntimeError, match="CUDA-graph capture"):
         argmax_mod._workspace(device, 2, 4)
-    monkeypatch.setattr(argmax_mod, "_stream_capturing", lambda: False)
+    monkeypatch.setattr(argmax_mod, "stream_capturing", lambda: False)
     ws = argmax_mod._workspace(device, 2, 4)
-    monkeypatch.setattr(argmax_mod, "_stream_capturing", lambda: True)
+    monkeypatch.setattr(argmax_mod, "stream_capturing", lambda: True)
     assert argmax_mod._workspace(device, 2, 3) is ws  # big enough: no allocation, no error
     with pytest.raises(RuntimeError, match="CUDA-graph capture"):
         argmax_mod._workspace(device, 3, 4)

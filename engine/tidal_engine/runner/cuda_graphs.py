@@ -89,6 +89,7 @@ class DecodeGraphs:
         self.capture_seconds = 0.0
         self.num_replays = 0
         self._timing_stream: torch.cuda.Stream | None = None  # compare_steps' captures, made once
+        self.stages_inputs = False  # replay_fed's kernel is ready (capture makes it)
 
     @staticmethod
     def _scalars_end(b: int) -> int:
@@ -216,16 +217,21 @@ class DecodeGraphs:
             assert self.stage_input is not None
             self.stage_input[0][:b].copy_(stage_input[0])
             self.stage_input[1][:b].copy_(stage_input[1])
+        return self._replay_captured(b)
+
+    def _replay_captured(self, b: int) -> torch.Tensor:
         entry = self.graphs[b]
         entry.graph.replay()
         self.num_replays += 1
         return entry.logits
 
     def _compile_staging(self) -> None:
-        """``replay_fed``'s kernel, compiled (or loaded) now rather than on the first decode step."""
+        """``replay_fed``'s kernel, compiled (or loaded) now rather than on the first decode step;
+        ``stages_inputs`` says whether it exists (Triton is installed)."""
         from tidal_engine.kernels.triton import triton_available
 
-        if triton_available():
+        self.stages_inputs = triton_available()
+        if self.stages_inputs:
             from tidal_engine.kernels.triton.graph_inputs import stage_decode_graph
 
             stage_decode_graph(self.scalars, 0, self.scalars, (0, 0, 0), self.scalars, self.block_tables, 0, 0, 0,
@@ -242,7 +248,4 @@ class DecodeGraphs:
         stage_decode_graph(staged, self._scalars_end(b), self.scalars,
                            (off["feed_rows"][0], off["feed_src"][0], layout.num_feeds), last_sampled, table,
                            off["batch_rows"][0], layout.num_seqs, layout.width, self.block_tables)
-        entry = self.graphs[b]
-        entry.graph.replay()
-        self.num_replays += 1
-        return entry.logits
+        return self._replay_captured(b)

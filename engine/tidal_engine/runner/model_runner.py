@@ -28,7 +28,6 @@ from tidal_engine.kernels.compile_ahead import (
     prepare_triton_in_background,
 )
 from tidal_engine.kernels.compile_cache import triton_cache_filled, use_cache_dir
-from tidal_engine.kernels.triton import triton_available
 from tidal_engine.layers.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend, set_attention_backend
 from tidal_engine.layers.kv_cache_dtype import kv_cache_torch_dtype
 from tidal_engine.lora.manager import create_lora_manager
@@ -537,11 +536,11 @@ class ModelRunner:
         return layout, staged
 
     def _graph_feeds(self) -> bool:
-        """Whether a decode graph's inputs go in with one kernel (``DecodeGraphs.replay_fed``):
-        on CUDA with Triton, when nothing but the graph reads the staged tokens (no draft
-        model, no drafts made on the device)."""
-        return (self.device.type == "cuda" and self.draft is None and self.batch.device_drafts is None
-                and triton_available())
+        """Whether a decode graph's inputs go in with one kernel (``DecodeGraphs.replay_fed``,
+        where its kernel was made at capture), when nothing but the graph reads the staged
+        tokens (no draft model, no drafts made on the device)."""
+        return (self.graphs is not None and self.graphs.stages_inputs and self.draft is None
+                and self.batch.device_drafts is None)
 
     def _use_device_drafts(self) -> None:
         """Drafts made on the device: a draft model (always; loaded here, after the target, so

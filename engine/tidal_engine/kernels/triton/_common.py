@@ -20,6 +20,12 @@ def check_dtype(name: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...]) ->
         raise TypeError(f"{name}: dtype {t.dtype} not supported, expected one of {allowed}")
 
 
+def stream_capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph: kernel workspaces that must start
+    zeroed are made on an eager call, never inside a capture (whose memory only a replay fills)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def check_same_device(**tensors: torch.Tensor) -> None:
     devices = {name: t.device for name, t in tensors.items()}
     if len(set(devices.values())) > 1:

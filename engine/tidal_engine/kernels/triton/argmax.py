@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tidal_engine.kernels.triton._common import FLOAT_DTYPES, check_dtype, pdl_launch, pdl_wait
+from tidal_engine.kernels.triton._common import FLOAT_DTYPES, check_dtype, pdl_launch, pdl_wait, stream_capturing
 
 __all__ = ["argmax_rows", "default_chunk"]
 
@@ -117,16 +117,12 @@ _workspaces: dict[torch.device, _Workspace] = {}
 _retired: list[_Workspace] = []
 
 
-def _stream_capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
 def _workspace(device: torch.device, rows: int, chunks: int) -> _Workspace:
     """The device's workspace, grown to at least ``rows`` x ``chunks`` (on an eager call only).
     Calls that share it run one after the other on a stream."""
     ws = _workspaces.get(device)
     if ws is None or ws.rows < rows or ws.chunks < chunks:
-        if _stream_capturing():
+        if stream_capturing():
             # A graph's own allocation would hold garbage counters until the graph replays.
             raise RuntimeError(f"argmax_rows first ran on {rows} rows of {chunks} chunks inside a CUDA-graph "
                                f"capture; call it once eagerly with at least that shape before capturing")

@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tidal_engine.kernels.triton._common import pdl_launch, pdl_wait
+from tidal_engine.kernels.triton._common import pdl_launch, pdl_wait, stream_capturing
 from tidal_engine.kernels.triton.gemv import (
     MAX_GRID_Y,
     GemvConfig,
@@ -876,7 +876,7 @@ def _split_workspace(device: torch.device, n: int) -> tuple[torch.Tensor, torch.
     kept clean by the kernel itself. Calls that share them run one after the other on a stream."""
     key = (device, n)
     if key not in _split_workspaces:
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        if stream_capturing():
             # A graph's own allocation is zeroed only when it replays: others would read garbage.
             raise RuntimeError("a split-K INT4 GEMV ran first inside a CUDA-graph capture; run it once "
                                "before (Int4LinearMethod.warm_up does)")
@@ -896,7 +896,7 @@ def _packed_split_workspace(device: torch.device, n: int, split: int) -> tuple[t
     share them run one after the other on a stream."""
     key = (device, n, split)
     if key not in _packed_split_workspaces:
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        if stream_capturing():
             raise RuntimeError("a split-K packed INT4 GEMV ran first inside a CUDA-graph capture; run it once "
                                "before (Int4LinearMethod.warm_up does)")
         _packed_split_workspaces[key] = (torch.empty(split * TC_GEMV_ROWS * n, dtype=torch.float32, device=device),
